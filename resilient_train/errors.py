@@ -1,0 +1,314 @@
+"""Exit codes, error taxonomy and the error report a failing replica leaves behind.
+
+Exit codes follow PLATFORM.md section 5: 134 asks for a rerun from the last checkpoint
+(the platform lists it as transient, and Kubeflow's ExitCode policy retries every code
+>= 128); 1 says rerunning cannot help.
+
+The report goes to $TORCHELASTIC_ERROR_FILE in the format torch.distributed.elastic's
+ErrorHandler writes, so one script reports the same way under torchrun and our launcher,
+plus a "resilient_train" key with what the launcher needs for the platform's messages.
+No torch import: the launcher imports this module and must start fast.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import logging
+import os
+import pathlib
+import sys
+import tempfile
+import time
+import traceback as _tb
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from enum import Enum
+from typing import Any, ClassVar, NoReturn, TypeVar
+
+logger = logging.getLogger(__name__)
+
+EXIT_TRANSIENT = 134
+EXIT_PERMANENT = 1
+PLATFORM_TRANSIENT_EXIT_CODES = frozenset({6, 11, 134, 139})
+ERROR_FILE_ENV = "TORCHELASTIC_ERROR_FILE"
+REPORT_KEY = "resilient_train"
+
+_F = TypeVar("_F", bound=Callable[..., Any])
+
+
+class Classification(str, Enum):
+    TRANSIENT = "transient"
+    PERMANENT = "permanent"
+    OOM = "oom"
+
+
+class TransientError(Exception):
+    """Raise to ask for a rerun from the last checkpoint (a lost peer, a flaky filesystem)."""
+
+    exit_code: ClassVar[int] = EXIT_TRANSIENT
+    classification: ClassVar[Classification] = Classification.TRANSIENT
+
+
+class PermanentError(Exception):
+    """Raise when rerunning cannot help (bad config, bad data, a bug)."""
+
+    exit_code: ClassVar[int] = EXIT_PERMANENT
+    classification: ClassVar[Classification] = Classification.PERMANENT
+
+
+def exit_code_for(returncode: int) -> int:
+    """A subprocess returncode in the shell's convention: killed by signal N -> 128+N."""
+    return 128 - returncode if returncode < 0 else returncode
+
+
+def is_platform_transient(returncode: int) -> bool:
+    """Whether the platform retries the job for this exit (SIGABRT / SIGSEGV, raw or 128+N)."""
+    return exit_code_for(returncode) in PLATFORM_TRANSIENT_EXIT_CODES
+
+
+def classify_exception(exc: BaseException) -> Classification:
+    if isinstance(exc, TransientError):
+        return Classification.TRANSIENT
+    if isinstance(exc, PermanentError):
+        return Classification.PERMANENT
+    # By name, so torch.cuda.OutOfMemoryError is recognised without importing torch.
+    if isinstance(exc, MemoryError) or any(
+        cls.__name__ == "OutOfMemoryError" for cls in type(exc).__mro__
+    ):
+        return Classification.OOM
+    if isinstance(exc, (ConnectionError, TimeoutError)):
+        return Classification.TRANSIENT
+    return Classification.PERMANENT
+
+
+def exit_code_for_classification(classification: Classification | str) -> int:
+    """TRANSIENT -> 134; PERMANENT and OOM -> 1.
+
+    OOM exits 1, not a code of its own: the platform decides "ran out of memory" from its own
+    memory accounting, never from the exit code, and rerunning the same job would OOM again.
+    """
+    if Classification(classification) is Classification.TRANSIENT:
+        return EXIT_TRANSIENT
+    return EXIT_PERMANENT
+
+
+@dataclass(frozen=True)
+class ErrorReport:
+    replica: str
+    exit_code: int
+    classification: str
+    message: str
+    traceback: str
+    time: float  # epoch seconds
+
+    def excerpt(self, max_lines: int = 12) -> str:
+        """The last lines of the traceback, which the platform appends to its error message."""
+        if max_lines <= 0:
+            return ""
+        lines = [line for line in self.traceback.splitlines() if line.strip()]
+        return "\n".join(lines[-max_lines:])
+
+
+def _default_replica() -> str:
+    from .cluster import ClusterInfo
+
+    try:
+        return ClusterInfo.from_env().replica_name
+    except Exception:  # a report must never fail because the environment is odd
+        return ""
+
+
+def write_error_report(
+    error: BaseException | str,
+    *,
+    exit_code: int,
+    classification: Classification | str,
+    path: str | os.PathLike[str] | None = None,
+    replica: str | None = None,
+    traceback: str | None = None,
+) -> pathlib.Path | None:
+    """Write the report atomically; returns its path, or None when no path is configured.
+
+    `path` defaults to $TORCHELASTIC_ERROR_FILE. `traceback` defaults to the exception's.
+    An existing file is overwritten: torchrun's "first error wins" protects a child's report
+    from its parent, and our launcher gives every attempt its own path, so the file present
+    is from an earlier run of this same process. OSError propagates.
+    """
+    configured = path if path is not None else os.environ.get(ERROR_FILE_ENV) or None
+    if configured is None:
+        return None
+    target = pathlib.Path(configured)
+    if isinstance(error, BaseException):
+        message = f"{type(error).__name__}: {error}"
+        if traceback is None:
+            traceback = "".join(_tb.format_exception(type(error), error, error.__traceback__))
+    else:
+        message = error
+    now = time.time()
+    if isinstance(classification, Classification):
+        classification = classification.value  # str() of a str Enum is "Classification.X"
+    report = ErrorReport(
+        replica=_default_replica() if replica is None else replica,
+        exit_code=exit_code,
+        classification=classification,
+        message=message,
+        traceback=traceback or "",
+        time=now,
+    )
+    payload = {
+        "message": {
+            "message": message,
+            "extraInfo": {"py_callstack": report.traceback, "timestamp": str(int(now))},
+        },
+        REPORT_KEY: asdict(report),
+    }
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            json.dump(payload, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, target)  # readers see the old file or the new one, never half of one
+    except BaseException:
+        pathlib.Path(tmp).unlink(missing_ok=True)
+        raise
+    return target
+
+
+def _report_from_ours(data: Any) -> ErrorReport | None:
+    if not isinstance(data, dict):
+        return None
+    types = {
+        "replica": str,
+        "exit_code": int,
+        "classification": str,
+        "message": str,
+        "traceback": str,
+        "time": (int, float),
+    }
+    if any(
+        not isinstance(data.get(k), t) or isinstance(data.get(k), bool) for k, t in types.items()
+    ):
+        return None
+    return ErrorReport(**{k: data[k] for k in types})
+
+
+def _report_from_torchelastic(data: dict[str, Any]) -> ErrorReport | None:
+    # ErrorHandler writes {"message": {"message", "extraInfo": {...}}}; older and parent-dumped
+    # files may carry a plain string message with a top-level timestamp.
+    message = data.get("message")
+    try:
+        if isinstance(message, str):
+            text, callstack, stamp = message, "", data.get("timestamp", 0)
+        elif isinstance(message, dict) and isinstance(message.get("message"), str):
+            extra = message.get("extraInfo") or {}
+            text = message["message"]
+            callstack = str(extra.get("py_callstack", "")) if isinstance(extra, dict) else ""
+            stamp = extra.get("timestamp", 0) if isinstance(extra, dict) else 0
+        else:
+            return None
+        when = float(stamp)
+    except (TypeError, ValueError):
+        return None
+    return ErrorReport(
+        replica="",
+        exit_code=-1,
+        classification="unknown",
+        message=text,
+        traceback=callstack,
+        time=when,
+    )
+
+
+def read_error_report(path: str | os.PathLike[str]) -> ErrorReport | None:
+    """The report at `path`; None when it is missing, empty or corrupt (corrupt is logged)."""
+    try:
+        text = pathlib.Path(path).read_text(encoding="utf-8")
+    except FileNotFoundError:
+        return None
+    except (OSError, UnicodeDecodeError) as exc:
+        logger.warning("cannot read error report %s: %s", path, exc)
+        return None
+    if not text.strip():
+        return None
+    try:
+        data = json.loads(text)
+    except ValueError as exc:
+        logger.warning("error report %s is not JSON (%s); ignoring it", path, exc)
+        return None
+    report = None
+    if isinstance(data, dict):
+        report = _report_from_ours(data.get(REPORT_KEY)) or _report_from_torchelastic(data)
+    if report is None:
+        logger.warning(
+            "error report %s has neither a %r key nor TorchElastic's "
+            "{'message': ...} shape; ignoring it",
+            path,
+            REPORT_KEY,
+        )
+    return report
+
+
+def _flush_streams() -> None:
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except Exception:  # a closed or replaced stream must not block the exit
+            pass
+
+
+def _report_and_exit(
+    error: BaseException | str, code: int, classification: Classification, traceback: str
+) -> NoReturn:
+    try:
+        write_error_report(
+            error, exit_code=code, classification=classification, traceback=traceback
+        )
+    except Exception:  # the exit code still tells the launcher what happened
+        logger.exception("could not write the error report to $%s", ERROR_FILE_ENV)
+    logger.error(
+        "exiting with code %d (%s): %s\n%s",
+        code,
+        classification.value,
+        error if isinstance(error, str) else f"{type(error).__name__}: {error}",
+        traceback.rstrip(),
+    )
+    _flush_streams()
+    raise SystemExit(code)
+
+
+def _exit(reason: str, exc: BaseException | None, code: int, c: Classification) -> NoReturn:
+    # Without exc: the exception being handled, if any, explains more than our own stack.
+    exc = exc if exc is not None else sys.exc_info()[1]
+    if exc is not None:
+        text = "".join(_tb.format_exception(type(exc), exc, exc.__traceback__))
+    else:
+        text = "".join(_tb.format_stack()[:-2])  # drop exit_*/_exit frames
+    _report_and_exit(reason, code, c, text)
+
+
+def exit_transient(reason: str, *, exc: BaseException | None = None) -> NoReturn:
+    """Report and exit 134: run me again from my last checkpoint."""
+    _exit(reason, exc, EXIT_TRANSIENT, Classification.TRANSIENT)
+
+
+def exit_permanent(reason: str, *, exc: BaseException | None = None) -> NoReturn:
+    """Report and exit 1: rerunning cannot help."""
+    _exit(reason, exc, EXIT_PERMANENT, Classification.PERMANENT)
+
+
+def record(fn: _F) -> _F:
+    """Like torchelastic's @record: an escaping exception becomes a report and an exit code."""
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return fn(*args, **kwargs)
+        except Exception as exc:  # SystemExit and KeyboardInterrupt pass through
+            c = classify_exception(exc)
+            text = "".join(_tb.format_exception(type(exc), exc, exc.__traceback__))
+            _report_and_exit(exc, exit_code_for_classification(c), c, text)
+
+    return wrapper  # type: ignore[return-value]

@@ -1,0 +1,1 @@
+"""The local platform emulator: job state machine, restart policy, worker processes."""

@@ -1,0 +1,430 @@
+"""Fault injection: parse ``--chaos`` specs and turn them into a deterministic schedule.
+
+Pure data and arithmetic; the launcher owns processes and signals. Fault times are seconds
+after the job first reaches ``JOB_STATE_RUNNING`` (PLATFORM.md section 1), so a schedule is
+reproducible regardless of how long the job spent queued.
+
+Grammar (comma-separated items)::
+
+    KIND[:TARGET]@TIME[/GRACE]          one fault at a fixed time
+    KIND[:TARGET]~MEAN[xCOUNT][/GRACE]  seeded random faults, exponential inter-arrival times
+
+TIME, MEAN and GRACE are durations (``500ms``, ``20s``, ``1.5m``, ``2h`` or bare seconds).
+TARGET is a replica name (``workerpool1-0``) or a rank (``1``); without it the seeded RNG
+picks a replica.
+"""
+
+from __future__ import annotations
+
+import heapq
+import json
+import logging
+import random
+import re
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from enum import Enum
+from pathlib import Path
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+__all__ = [
+    "ChaosSchedule",
+    "ChaosSpec",
+    "ChaosSpecError",
+    "Fault",
+    "FaultKind",
+    "RandomFault",
+    "ScheduledFault",
+    "load_chaos",
+    "parse_chaos",
+    "parse_duration",
+]
+
+# Random faults without a count stop here, so a forgotten xCOUNT cannot loop forever.
+RANDOM_FAULT_CAP = 10_000
+
+_EXAMPLE = "kill:workerpool1-0@20s"
+_GRAMMAR = (
+    f"write KIND[:REPLICA]@TIME[/GRACE] or KIND[:REPLICA]~MEAN[xCOUNT], e.g. {_EXAMPLE}"
+    " or kill~30sx5"
+)
+
+
+class ChaosSpecError(ValueError):
+    """A chaos spec that cannot be parsed or does not match the job's replicas."""
+
+
+class FaultKind(str, Enum):
+    KILL = "kill"  # node loss: SIGKILL from outside
+    MAINTENANCE = "maintenance"  # SIGTERM, grace, restart elsewhere; not counted in budgets
+    PREEMPT = "preempt"  # SIGTERM, grace, restart
+    OOM = "oom"  # the launcher kills the worker as out of memory
+    STOCKOUT = "stockout"  # the job's resources vanish: whole-job retry
+    INTERNAL = "internal"  # the launcher's own failure for this attempt
+
+    @property
+    def targets_replica(self) -> bool:
+        """True for faults that hit one replica; False for faults that hit the whole job."""
+        return self in _REPLICA_KINDS
+
+    @property
+    def job_wide(self) -> bool:
+        return not self.targets_replica
+
+    @property
+    def has_grace(self) -> bool:
+        """True when the fault sends SIGTERM first, so a grace period applies."""
+        return self in (FaultKind.MAINTENANCE, FaultKind.PREEMPT)
+
+
+_REPLICA_KINDS = frozenset(
+    {FaultKind.KILL, FaultKind.MAINTENANCE, FaultKind.PREEMPT, FaultKind.OOM}
+)
+_VALID_KINDS = ", ".join(k.value for k in FaultKind)
+
+
+@dataclass(frozen=True)
+class Fault:
+    kind: FaultKind
+    at: float
+    target: str | None = None  # replica name or rank as written; None = seeded choice
+    grace: float | None = None  # None = launcher default
+
+
+@dataclass(frozen=True)
+class RandomFault:
+    kind: FaultKind
+    mean_interval: float
+    target: str | None = None
+    max_count: int | None = None  # None = up to RANDOM_FAULT_CAP
+    grace: float | None = None
+
+
+@dataclass(frozen=True)
+class ChaosSpec:
+    faults: tuple[Fault, ...] = ()
+    random: tuple[RandomFault, ...] = ()
+    seed: int = 0
+
+    def __bool__(self) -> bool:
+        return bool(self.faults or self.random)
+
+
+@dataclass(frozen=True)
+class ScheduledFault:
+    kind: FaultKind
+    at: float
+    target: str | None  # a replica name; None only for job-wide kinds
+    grace: float | None = None
+
+
+# ---------------------------------------------------------------------------- parsing
+
+_DURATION_RE = re.compile(r"^(\d+(?:\.\d*)?|\.\d+)\s*(ms|s|m|h)?$", re.IGNORECASE)
+_UNIT_SECONDS = {None: 1.0, "ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0}
+_TARGET_RE = re.compile(r"^[A-Za-z0-9_.-]+$")
+
+
+def parse_duration(text: str | float | int) -> float:
+    """Seconds from ``500ms``, ``20s``, ``1.5m``, ``2h`` or a bare (non-negative) number."""
+    if isinstance(text, bool):
+        raise ValueError(f"expected a duration like 20s, found {text!r}")
+    if isinstance(text, (int, float)):
+        if text < 0:
+            raise ValueError(f"expected a non-negative duration, found {text!r}")
+        return float(text)
+    match = _DURATION_RE.match(text.strip())
+    if not match:
+        raise ValueError(
+            f"expected a duration like 500ms, 20s, 1.5m, 2h or a number of seconds, found {text!r}"
+        )
+    unit = match.group(2).lower() if match.group(2) else None
+    return float(match.group(1)) * _UNIT_SECONDS[unit]
+
+
+def _kind(name: str, where: str) -> FaultKind:
+    try:
+        return FaultKind(name.strip().lower())
+    except ValueError:
+        raise ChaosSpecError(
+            f"unknown fault kind {name.strip()!r} in {where}; valid kinds: {_VALID_KINDS}; "
+            f"{_GRAMMAR}"
+        ) from None
+
+
+def _duration(text: Any, what: str, where: str, *, positive: bool = False) -> float:
+    try:
+        value = parse_duration(text)
+    except ValueError as exc:
+        raise ChaosSpecError(f"bad {what} in {where}: {exc}; {_GRAMMAR}") from None
+    if positive and value <= 0:
+        raise ChaosSpecError(f"{what} in {where} must be > 0, found {text!r}; {_GRAMMAR}")
+    return value
+
+
+def _target(kind: FaultKind, target: Any, where: str) -> str | None:
+    if target is None:
+        return None
+    if isinstance(target, int) and not isinstance(target, bool):
+        target = str(target)
+    if not isinstance(target, str) or not _TARGET_RE.match(target):
+        raise ChaosSpecError(
+            f"bad target {target!r} in {where}: expected a replica name like workerpool1-0 "
+            f"or a rank like 1; {_GRAMMAR}"
+        )
+    if kind.job_wide:
+        raise ChaosSpecError(
+            f"{kind.value} hits the whole job and takes no target, found {target!r} in {where}; "
+            f"write {kind.value}@TIME"
+        )
+    return target
+
+
+def _grace(kind: FaultKind, grace: Any, where: str) -> float | None:
+    if grace is None:
+        return None
+    if not kind.has_grace:
+        raise ChaosSpecError(
+            f"a grace period applies only to maintenance and preempt, found one on "
+            f"{kind.value} in {where}; drop the /GRACE part"
+        )
+    return _duration(grace, "grace", where)
+
+
+def _count(count: Any, where: str) -> int | None:
+    if count is None:
+        return None
+    if isinstance(count, bool) or not isinstance(count, int) or count < 1:
+        raise ChaosSpecError(f"count in {where} must be an integer >= 1, found {count!r}")
+    return count
+
+
+def _parse_item(item: str, where: str) -> Fault | RandomFault:
+    at_pos, tilde_pos = item.find("@"), item.find("~")
+    if at_pos < 0 and tilde_pos < 0:
+        raise ChaosSpecError(f"no @TIME or ~MEAN in {where}; {_GRAMMAR}")
+    random_fault = at_pos < 0 or (0 <= tilde_pos < at_pos)
+    sep = tilde_pos if random_fault else at_pos
+    head, tail = item[:sep], item[sep + 1 :]
+    kind_text, _, target_text = head.partition(":")
+    kind = _kind(kind_text, where)
+    target = _target(kind, target_text.strip() if ":" in head else None, where)
+    when, slash, grace_text = tail.partition("/")
+    grace = _grace(kind, grace_text.strip() if slash else None, where)
+    if not random_fault:
+        return Fault(kind, _duration(when, "time", where), target, grace)
+    match = re.match(r"^(.+?)(?:x(\d+))?$", when.strip())
+    if not match:
+        raise ChaosSpecError(f"missing mean interval after ~ in {where}; {_GRAMMAR}")
+    mean = _duration(match.group(1), "mean interval", where, positive=True)
+    count = _count(int(match.group(2)), where) if match.group(2) else None
+    return RandomFault(kind, mean, target, count, grace)
+
+
+def _build(items: list[Fault | RandomFault], seed: int) -> ChaosSpec:
+    return ChaosSpec(
+        faults=tuple(i for i in items if isinstance(i, Fault)),
+        random=tuple(i for i in items if isinstance(i, RandomFault)),
+        seed=seed,
+    )
+
+
+def parse_chaos(text: str, *, seed: int = 0) -> ChaosSpec:
+    """Parse a comma-separated chaos spec; blank text is an empty spec."""
+    if not text.strip():
+        return ChaosSpec(seed=seed)
+    items: list[Fault | RandomFault] = []
+    column = 1
+    for number, raw in enumerate(text.split(","), start=1):
+        item = raw.strip()
+        where = f"item {number} {item!r} (column {column + len(raw) - len(raw.lstrip())})"
+        column += len(raw) + 1
+        if not item:
+            raise ChaosSpecError(f"empty item {number} (column {column - 1}); {_GRAMMAR}")
+        items.append(_parse_item(item, where))
+    return _build(items, seed)
+
+
+_FAULT_KEYS = {"kind", "at", "target", "grace"}
+_RANDOM_KEYS = {"kind", "mean", "count", "target", "grace"}
+_TOP_KEYS = {"seed", "faults", "random"}
+
+
+def _check_keys(obj: Any, allowed: set[str], required: set[str], where: str) -> dict[str, Any]:
+    if not isinstance(obj, dict):
+        raise ChaosSpecError(f"{where} must be a JSON object, found {type(obj).__name__}")
+    unknown = sorted(set(obj) - allowed)
+    if unknown:
+        raise ChaosSpecError(
+            f"unknown key(s) {', '.join(unknown)} in {where}; allowed: {', '.join(sorted(allowed))}"
+        )
+    missing = sorted(required - set(obj))
+    if missing:
+        raise ChaosSpecError(f"missing key(s) {', '.join(missing)} in {where}")
+    return obj
+
+
+def _from_json(data: Any, seed: int, source: str) -> ChaosSpec:
+    data = _check_keys(data, _TOP_KEYS, set(), source)
+    file_seed = data.get("seed", seed)
+    if isinstance(file_seed, bool) or not isinstance(file_seed, int):
+        raise ChaosSpecError(f"seed in {source} must be an integer, found {file_seed!r}")
+    items: list[Fault | RandomFault] = []
+    for section in ("faults", "random"):
+        entries = data.get(section, [])
+        if not isinstance(entries, list):
+            raise ChaosSpecError(f"{section!r} in {source} must be a list of objects")
+        for index, entry in enumerate(entries):
+            where = f"{source} {section}[{index}]"
+            if section == "faults":
+                entry = _check_keys(entry, _FAULT_KEYS, {"kind", "at"}, where)
+                kind = _kind(str(entry["kind"]), where)
+                items.append(
+                    Fault(
+                        kind,
+                        _duration(entry["at"], "time", where),
+                        _target(kind, entry.get("target"), where),
+                        _grace(kind, entry.get("grace"), where),
+                    )
+                )
+            else:
+                entry = _check_keys(entry, _RANDOM_KEYS, {"kind", "mean"}, where)
+                kind = _kind(str(entry["kind"]), where)
+                items.append(
+                    RandomFault(
+                        kind,
+                        _duration(entry["mean"], "mean interval", where, positive=True),
+                        _target(kind, entry.get("target"), where),
+                        _count(entry.get("count"), where),
+                        _grace(kind, entry.get("grace"), where),
+                    )
+                )
+    return _build(items, file_seed)
+
+
+def load_chaos(value: str, *, seed: int = 0) -> ChaosSpec:
+    """A spec from ``--chaos``: inline text, or ``@PATH`` to a JSON or one-item-per-line file.
+
+    A ``seed`` inside a JSON file wins over the ``seed`` argument (the file is the more
+    specific, reproducible record).
+    """
+    if not value.startswith("@"):
+        return parse_chaos(value, seed=seed)
+    path = Path(value[1:]).expanduser()
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise ChaosSpecError(
+            f"chaos file {str(path)!r} not found; write --chaos @PATH with an existing file, "
+            f"or an inline spec like --chaos {_EXAMPLE}"
+        ) from None
+    except OSError as exc:
+        raise ChaosSpecError(f"cannot read chaos file {str(path)!r}: {exc}") from None
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError:
+        data = None
+    if data is not None or text.strip() == "null":
+        return _from_json(data, seed, str(path))
+    lines = [line.split("#", 1)[0].strip() for line in text.splitlines()]
+    try:
+        return parse_chaos(",".join(line for line in lines if line), seed=seed)
+    except ChaosSpecError as exc:
+        raise ChaosSpecError(f"{path}: {exc}") from None
+
+
+# ---------------------------------------------------------------------------- schedule
+
+_POOL_RE = re.compile(r"^workerpool(\d+)-(\d+)$")
+
+
+def _rank_key(name: str) -> tuple[int, int]:
+    match = _POOL_RE.match(name)
+    # Names outside the workerpoolI-J scheme keep their given order after the pools.
+    return (int(match.group(1)), int(match.group(2))) if match else (1 << 30, 0)
+
+
+class ChaosSchedule:
+    """The concrete times and targets of a spec's faults for one job's replicas.
+
+    Fixed faults are resolved up front with ``random.Random(seed)``; each random stream has
+    its own RNG seeded from (seed, stream index) and is generated lazily, so the result does
+    not depend on how often or with which ``elapsed`` values the launcher polls.
+    """
+
+    def __init__(self, spec: ChaosSpec, replicas: Sequence[str]) -> None:
+        self.spec = spec
+        self.replicas: tuple[str, ...] = tuple(sorted(replicas, key=_rank_key))
+        for fault in (*spec.faults, *spec.random):
+            self._resolve(fault.kind, fault.target, None)  # validate before anything runs
+        rng = random.Random(spec.seed)
+        # Heap entries: (time, source order, sequence in source, fault); ties break stably.
+        self._heap: list[tuple[float, int, int, ScheduledFault]] = []
+        for index, fault in enumerate(spec.faults):
+            scheduled = ScheduledFault(
+                fault.kind, fault.at, self._resolve(fault.kind, fault.target, rng), fault.grace
+            )
+            self._heap.append((fault.at, 0, index, scheduled))
+        heapq.heapify(self._heap)
+        self._streams: list[Iterator[ScheduledFault]] = []
+        for index, rfault in enumerate(spec.random):
+            stream_rng = random.Random(f"{spec.seed}/random/{index}")
+            self._streams.append(self._stream(rfault, stream_rng))
+            self._push_next(index)
+
+    def _resolve(
+        self, kind: FaultKind, target: str | None, rng: random.Random | None
+    ) -> str | None:
+        if kind.job_wide:
+            return None
+        listing = ", ".join(f"{name} (rank {r})" for r, name in enumerate(self.replicas)) or "none"
+        if target is None:
+            if not self.replicas:
+                raise ChaosSpecError(
+                    f"{kind.value} needs a replica but the job has none; add a worker pool"
+                )
+            return rng.choice(self.replicas) if rng else None
+        if target.isdigit():
+            rank = int(target)
+            if rank >= len(self.replicas):
+                raise ChaosSpecError(
+                    f"rank {rank} in {kind.value}:{target} is out of range; "
+                    f"the job's replicas are {listing}"
+                )
+            return self.replicas[rank]
+        if target not in self.replicas:
+            raise ChaosSpecError(
+                f"unknown replica {target!r} in {kind.value}:{target}; "
+                f"the job's replicas are {listing}"
+            )
+        return target
+
+    def _stream(self, rfault: RandomFault, rng: random.Random) -> Iterator[ScheduledFault]:
+        limit = rfault.max_count if rfault.max_count is not None else RANDOM_FAULT_CAP
+        at = 0.0
+        for _ in range(limit):
+            at += rng.expovariate(1.0 / rfault.mean_interval)
+            target = self._resolve(rfault.kind, rfault.target, rng)
+            yield ScheduledFault(rfault.kind, at, target, rfault.grace)
+
+    def _push_next(self, stream: int) -> None:
+        nxt = next(self._streams[stream], None)
+        if nxt is not None:
+            # A stream has at most one entry in the heap, so (time, source) is unique.
+            heapq.heappush(self._heap, (nxt.at, 1 + stream, 0, nxt))
+
+    def next_time(self) -> float | None:
+        """Time of the next pending fault, or None when none is left."""
+        return self._heap[0][0] if self._heap else None
+
+    def due(self, elapsed: float) -> list[ScheduledFault]:
+        """Remove and return, in time order, every pending fault with time <= elapsed."""
+        out: list[ScheduledFault] = []
+        while self._heap and self._heap[0][0] <= elapsed:
+            _, source, _, fault = heapq.heappop(self._heap)
+            out.append(fault)
+            if source > 0:
+                self._push_next(source - 1)
+        return out

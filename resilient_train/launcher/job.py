@@ -1,0 +1,455 @@
+"""The job state machine: pure, driven by events, with an injected clock.
+
+The process layer (``runner``) turns OS facts into calls here (a worker started, a
+worker exited with a code and a cause, a fault, a tick of the clock) and executes the
+commands that come back (start a worker, stop workers, ask for capacity). Nothing here
+touches a process, a file or the real time, so every rule and budget edge of
+PLATFORM.md sections 1-4 is testable with a fake clock and fake workers.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import logging
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any, Union
+
+from .messages import (
+    JobError,
+    JobState,
+    cancelled_error,
+    internal_error,
+    oom_error,
+    stockout_error,
+    timeout_error,
+    user_code_error,
+)
+from .policy import Action, Cause, JOB_SCOPE, Outcome, Policy, Step, Strategy, default_policy
+
+log = logging.getLogger(__name__)
+
+PRIMARY = "workerpool0-0"
+
+
+@dataclass(frozen=True)
+class JobConfig:
+    name: str
+    replicas: tuple[str, ...]  # rank order; replicas[0] is the primary
+    policy: Policy = field(default_factory=default_policy)
+    strategy: Strategy = Strategy.STANDARD
+    restart_job_on_worker_restart: bool = False
+    timeout: float | None = 7 * 24 * 3600.0   # from the first RUNNING; None = no limit
+    max_wait: float | None = 24 * 3600.0      # FLEX_START wait for capacity; None = forever
+    region: str = "local"
+
+
+# --- commands for the process layer -------------------------------------------------
+
+@dataclass(frozen=True)
+class StartWorker:
+    replica: str
+    attempt: int
+    restart: int        # restarts of this replica so far in this job (all kinds)
+
+
+@dataclass(frozen=True)
+class StopWorkers:
+    replicas: tuple[str, ...]
+    reason: str
+
+
+@dataclass(frozen=True)
+class RequestCapacity:
+    """Acquire the job's quota, then call ``quota_granted`` or ``no_capacity``."""
+
+
+@dataclass(frozen=True)
+class ReleaseCapacity:
+    """The job is over: give its quota back."""
+
+
+Command = Union[StartWorker, StopWorkers, RequestCapacity, ReleaseCapacity]
+
+
+# --- records --------------------------------------------------------------------------
+
+# Replica status inside one attempt.
+STARTING, RUNNING, DONE, STOPPING, STOPPED, EXITED = (
+    "starting", "running", "done", "stopping", "stopped", "exited")
+_LIVE = (STARTING, RUNNING, STOPPING)
+
+
+@dataclass
+class ReplicaRecord:
+    status: str = STARTING
+    restarts: int = 0              # counted against the worker budget
+    uncounted_restarts: int = 0    # maintenance
+    exit_codes: list[int] = field(default_factory=list)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"status": self.status, "restarts": self.restarts,
+                "uncounted_restarts": self.uncounted_restarts, "exit_codes": list(self.exit_codes)}
+
+
+@dataclass
+class AttemptRecord:
+    number: int
+    start_time: float
+    replicas: dict[str, ReplicaRecord]
+    end_time: float | None = None
+    result: str | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        return {"attempt": self.number, "start_time": iso(self.start_time),
+                "end_time": iso(self.end_time), "result": self.result,
+                "replicas": {name: r.to_json() for name, r in self.replicas.items()}}
+
+
+def iso(t: float | None) -> str | None:
+    if t is None:
+        return None
+    return _dt.datetime.fromtimestamp(t, _dt.timezone.utc).isoformat(timespec="milliseconds").replace("+00:00", "Z")
+
+
+@dataclass(frozen=True)
+class _AfterStop:
+    """What to do once every live worker has stopped."""
+
+    kind: str                  # "retry", "requeue", "restart_all", "terminal"
+    state: JobState | None = None
+    error: JobError | None = None
+    reason: str = ""
+
+
+class JobMachine:
+    def __init__(self, config: JobConfig, now: float) -> None:
+        if not config.replicas:
+            raise ValueError("a job needs at least one replica")
+        self.config = config
+        self.state = JobState.QUEUED
+        self.create_time = now
+        self.start_time: float | None = None
+        self.end_time: float | None = None
+        self.update_time = now
+        self.error: JobError | None = None
+        self.attempts: list[AttemptRecord] = []
+        self.budget_used: Counter[str] = Counter()
+        self.events: list[dict[str, Any]] = []
+        self._restarts_in_job: Counter[str] = Counter()
+        self._after_stop: _AfterStop | None = None
+        self._waiting_since: float | None = None   # FLEX_START wait for capacity
+        self._event(now, "state", f"job {config.name}: {self.state.value}", state=self.state.value)
+
+    # --- queries ----------------------------------------------------------------------
+
+    @property
+    def attempt(self) -> AttemptRecord | None:
+        return self.attempts[-1] if self.attempts else None
+
+    @property
+    def exit_status(self) -> int | None:
+        """The launcher's exit status once terminal: 0, the root cause's code, or a STATUS_*."""
+        if not self.state.terminal:
+            return None
+        return 0 if self.state is JobState.SUCCEEDED else (self.error.exit_status if self.error else 1)
+
+    def live_replicas(self) -> tuple[str, ...]:
+        att = self.attempt
+        return tuple(n for n, r in att.replicas.items() if r.status in _LIVE) if att else ()
+
+    def is_current(self, cmd: StartWorker) -> bool:
+        """Still wanted? A decision taken after a StartWorker was issued may cancel it."""
+        att = self.attempt
+        return (att is not None and att.number == cmd.attempt
+                and att.replicas[cmd.replica].status == STARTING
+                and self._restarts_in_job[cmd.replica] == cmd.restart)
+
+    def next_deadline(self) -> float | None:
+        """When ``tick`` next has something to do (timeout or end of a capacity wait)."""
+        times = []
+        if self.config.timeout is not None and self.start_time is not None and not self.state.terminal:
+            times.append(self.start_time + self.config.timeout)
+        if self._waiting_since is not None and self.config.max_wait is not None:
+            times.append(self._waiting_since + self.config.max_wait)
+        return min(times) if times else None
+
+    def budget_summary(self) -> dict[str, dict[str, Any]]:
+        out = {}
+        for name, b in self.config.policy.budgets.items():
+            if b.scope == JOB_SCOPE:
+                used = self.budget_used[name]
+            else:
+                att = self.attempt
+                used = max((r.restarts for r in att.replicas.values()), default=0) if att else 0
+            out[name] = {"limit": b.limit, "scope": b.scope, "used": used}
+        return out
+
+    # --- events -----------------------------------------------------------------------
+
+    def start(self, now: float) -> list[Command]:
+        return [RequestCapacity()]
+
+    def quota_granted(self, now: float) -> list[Command]:
+        if self.state is not JobState.QUEUED:
+            return []
+        self._waiting_since = None
+        return self._new_attempt(now)
+
+    def no_capacity(self, now: float) -> list[Command]:
+        """The job asks for more than the machine has: a stockout before any worker starts."""
+        if self.state is not JobState.QUEUED or self._waiting_since is not None:
+            return []
+        self._event(now, "stockout", f"job {self.config.name}: stockout: the request exceeds "
+                    f"what this machine has")
+        return self._decide(Outcome(None, False, Cause.STOCKOUT, None), now)
+
+    def worker_started(self, replica: str, now: float) -> list[Command]:
+        att = self.attempt
+        if att is None or att.replicas[replica].status != STARTING:
+            return []
+        att.replicas[replica].status = RUNNING
+        self._event(now, "started", f"{replica}: started", replica=replica)
+        if self.state is JobState.PENDING and all(
+                r.status != STARTING for r in att.replicas.values()):
+            if self.start_time is None:
+                self.start_time = now
+            self._set_state(JobState.RUNNING, now)
+        return []
+
+    def worker_exited(self, replica: str, exit_code: int, cause: Cause, now: float,
+                      excerpt: str | None = None) -> list[Command]:
+        att = self.attempt
+        if att is None or att.replicas[replica].status not in _LIVE:
+            return []
+        rec = att.replicas[replica]
+        rec.exit_codes.append(exit_code)
+        if rec.status == STOPPING:
+            rec.status = STOPPED
+            self._event(now, "stopped", f"{replica}: stopped (exit {exit_code})", replica=replica,
+                        exit_code=exit_code)
+            return self._maybe_finish_stop(now)
+        rec.status = EXITED
+        detail = "" if cause is Cause.EXIT else f" ({cause.value})"
+        self._event(now, "exited", f"{replica}: exited with status {exit_code}{detail}",
+                    replica=replica, exit_code=exit_code, cause=cause.value)
+        outcome = Outcome(replica, replica == self.config.replicas[0], cause, exit_code)
+        return self._decide(outcome, now, excerpt)
+
+    def job_fault(self, cause: Cause, now: float) -> list[Command]:
+        """An attempt-wide fault (stockout, internal error) while workers run."""
+        if self.state not in (JobState.PENDING, JobState.RUNNING) or self._after_stop:
+            return []
+        return self._decide(Outcome(None, False, cause, None), now)
+
+    def cancel(self, now: float) -> list[Command]:
+        if self.state.terminal or self.state is JobState.CANCELLING:
+            return []
+        if self.state is JobState.QUEUED:
+            self.error = cancelled_error()
+            return self._finish(JobState.CANCELLED, now)
+        self._set_state(JobState.CANCELLING, now)
+        return self._stop_all(_AfterStop("terminal", JobState.CANCELLED, cancelled_error(),
+                                         "cancelled"), now)
+
+    def tick(self, now: float) -> list[Command]:
+        if self.state.terminal:
+            return []
+        timeout = self.config.timeout
+        if (timeout is not None and self.start_time is not None
+                and now >= self.start_time + timeout
+                and not (self._after_stop and self._after_stop.kind == "terminal")):
+            self._event(now, "timeout", f"job {self.config.name}: timeout of {timeout:g} s reached")
+            return self._stop_all(_AfterStop("terminal", JobState.FAILED, timeout_error(timeout),
+                                             "timeout"), now)
+        if (self._waiting_since is not None and self.config.max_wait is not None
+                and now >= self._waiting_since + self.config.max_wait):
+            self._waiting_since = None
+            self.error = stockout_error(self.config.region)
+            return self._finish(JobState.FAILED, now)
+        return []
+
+    # --- decisions --------------------------------------------------------------------
+
+    def _decide(self, outcome: Outcome, now: float, excerpt: str | None = None) -> list[Command]:
+        if self._after_stop is not None:
+            # Already winding down (a retry or a terminal decision): late exits change nothing.
+            return self._maybe_finish_stop(now)
+        rule = self.config.policy.first_match(outcome)
+        step = self._take_step(rule.steps if rule else (), outcome)
+        rule_name = rule.name if rule else "no rule matched"
+        who = outcome.replica or f"job {self.config.name}"
+        action = step.action if step else Action.FAIL_JOB
+        self._event(now, "decision", f"{who}: {action.value} ({rule_name}){self._budget_note(step, outcome)}",
+                    replica=outcome.replica, rule=rule_name, action=action.value)
+        if action is Action.SUCCEED_JOB:
+            return self._stop_all(_AfterStop("terminal", JobState.SUCCEEDED, None, "succeeded"), now)
+        if action is Action.WORKER_DONE:
+            assert outcome.replica is not None
+            self.attempts[-1].replicas[outcome.replica].status = DONE
+            return []
+        if action is Action.RESTART_WORKER and outcome.replica is not None:
+            return self._restart_worker(outcome.replica, now)
+        if action is Action.RETRY_JOB:
+            return self._stop_all(_AfterStop("retry", reason=f"retry: {rule_name}"), now)
+        if action is Action.WAIT_FOR_CAPACITY:
+            return self._stop_all(_AfterStop("requeue", reason=f"requeue: {rule_name}"), now)
+        return self._stop_all(_AfterStop("terminal", JobState.FAILED,
+                                         self._error_for(outcome, excerpt), f"failed: {rule_name}"), now)
+
+    def _take_step(self, steps: tuple[Step, ...], outcome: Outcome) -> Step | None:
+        """The first step whose budget lasts; spend it."""
+        for step in steps:
+            if step.action is Action.RESTART_WORKER and outcome.replica is None:
+                continue
+            if step.budget is None:
+                if step.action is Action.RESTART_WORKER and outcome.replica is not None:
+                    self.attempts[-1].replicas[outcome.replica].uncounted_restarts += 1
+                return step
+            budget = self.config.policy.budgets[step.budget]
+            if budget.scope == JOB_SCOPE:
+                if self.budget_used[step.budget] < budget.limit:
+                    self.budget_used[step.budget] += 1
+                    return step
+            elif outcome.replica is not None:
+                rec = self.attempts[-1].replicas[outcome.replica]
+                if rec.restarts < budget.limit:
+                    rec.restarts += 1
+                    return step
+        return None
+
+    def _budget_note(self, step: Step | None, outcome: Outcome) -> str:
+        if step is None or step.budget is None:
+            return ""
+        budget = self.config.policy.budgets[step.budget]
+        if budget.scope == JOB_SCOPE:
+            used = self.budget_used[step.budget]
+        else:
+            assert outcome.replica is not None
+            used = self.attempts[-1].replicas[outcome.replica].restarts
+        return f", {step.budget} {used}/{budget.limit}"
+
+    def _error_for(self, outcome: Outcome, excerpt: str | None) -> JobError:
+        code = outcome.exit_code if outcome.exit_code is not None else 1
+        replica = outcome.replica or self.config.replicas[0]
+        if outcome.cause is Cause.OOM:
+            return oom_error(replica, code)
+        if outcome.cause is Cause.STOCKOUT:
+            return stockout_error(self.config.region)
+        if outcome.cause is Cause.INTERNAL:
+            return internal_error()
+        reason = {Cause.START_ERROR: "StartError", Cause.MAINTENANCE: "Maintenance",
+                  Cause.PREEMPTION: "Preempted", Cause.NODE_LOSS: "NodeLost"}.get(outcome.cause, "Error")
+        return user_code_error(replica, code, reason, excerpt)
+
+    def _restart_worker(self, replica: str, now: float) -> list[Command]:
+        if self.config.restart_job_on_worker_restart:
+            return self._stop_all(_AfterStop("restart_all", reason=f"restart all after {replica}"), now)
+        return [self._start(replica, now)]
+
+    def _start(self, replica: str, now: float, *, first: bool = False) -> StartWorker:
+        att = self.attempts[-1]
+        att.replicas[replica].status = STARTING
+        if not first:
+            self._restarts_in_job[replica] += 1
+            self._event(now, "restarting", f"{replica}: restarting "
+                        f"(restart {self._restarts_in_job[replica]} in this job)", replica=replica)
+        return StartWorker(replica, att.number, self._restarts_in_job[replica])
+
+    def _new_attempt(self, now: float) -> list[Command]:
+        number = len(self.attempts) + 1
+        self.attempts.append(AttemptRecord(number, now, {r: ReplicaRecord() for r in self.config.replicas}))
+        self._set_state(JobState.PENDING, now)
+        return [self._start(r, now, first=number == 1) for r in self.config.replicas]
+
+    def _stop_all(self, after: _AfterStop, now: float) -> list[Command]:
+        current = self._after_stop
+        # A terminal decision overrides a retry in progress; the first terminal one stands.
+        if current is not None and (current.kind == "terminal" or after.kind != "terminal"):
+            return []
+        self._after_stop = after
+        att = self.attempt
+        to_stop = []
+        if att is not None:
+            for name, rec in att.replicas.items():
+                if rec.status == STARTING:       # never started: nothing to stop
+                    rec.status = STOPPED
+                elif rec.status == RUNNING:
+                    rec.status = STOPPING
+                    to_stop.append(name)
+                elif rec.status == STOPPING:
+                    to_stop.append(name)
+        cmds: list[Command] = []
+        if to_stop:
+            self._event(now, "stopping", f"stopping {', '.join(to_stop)} ({after.reason})")
+            cmds.append(StopWorkers(tuple(to_stop), after.reason))
+        return cmds + self._maybe_finish_stop(now)
+
+    def _maybe_finish_stop(self, now: float) -> list[Command]:
+        after = self._after_stop
+        if after is None or any(r.status == STOPPING for r in self.attempts[-1].replicas.values()):
+            return []
+        self._after_stop = None
+        att = self.attempts[-1]
+        if after.kind == "restart_all":
+            return [self._start(name, now) for name in att.replicas]
+        att.end_time = now
+        att.result = after.reason
+        if after.kind == "retry":
+            return self._new_attempt(now)
+        if after.kind == "requeue":
+            self._waiting_since = now
+            self._set_state(JobState.QUEUED, now)
+            return [RequestCapacity()]
+        assert after.state is not None
+        self.error = after.error
+        return self._finish(after.state, now)
+
+    def _finish(self, state: JobState, now: float) -> list[Command]:
+        self.end_time = now
+        self._waiting_since = None
+        self._set_state(state, now)
+        if self.error is not None:
+            self._event(now, "error", f"job {self.config.name}: error {self.error.code}: "
+                        f"{self.error.message.splitlines()[0]}")
+        return [ReleaseCapacity()]
+
+    # --- bookkeeping ------------------------------------------------------------------
+
+    def _set_state(self, state: JobState, now: float) -> None:
+        if state is self.state:
+            return
+        self.state = state
+        self._event(now, "state", f"job {self.config.name}: {state.value}", state=state.value)
+
+    def _event(self, now: float, kind: str, message: str, **extra: Any) -> None:
+        self.update_time = now
+        att = self.attempts[-1].number if self.attempts else None
+        event = {"time": iso(now), "elapsed_s": round(now - self.create_time, 3), "kind": kind,
+                 "attempt": att, "message": message}
+        event.update({k: v for k, v in extra.items() if v is not None})
+        self.events.append(event)
+        log.debug("%s", message)
+
+    def to_record(self) -> dict[str, Any]:
+        """The job record, shaped like the platform's CustomJob."""
+        return {
+            "name": self.config.name,
+            "state": self.state.value,
+            "create_time": iso(self.create_time),
+            "start_time": iso(self.start_time),
+            "end_time": iso(self.end_time),
+            "update_time": iso(self.update_time),
+            "error": self.error.to_json() if self.error else None,
+            "exit_status": self.exit_status,
+            "replicas": list(self.config.replicas),
+            "scheduling": {
+                "strategy": self.config.strategy.value,
+                "restart_job_on_worker_restart": self.config.restart_job_on_worker_restart,
+                "timeout_s": self.config.timeout,
+                "max_wait_duration_s": self.config.max_wait,
+            },
+            "budgets": self.budget_summary(),
+            "attempts": [a.to_json() for a in self.attempts],
+            "events": list(self.events),
+        }

@@ -1,0 +1,575 @@
+"""The process layer: runs a job's workers and turns OS facts into state-machine events.
+
+One monitor loop (like torch.distributed.elastic's agent) owns every worker process.
+It sleeps until something can happen (a child exits, a timer, a fault is due) and never
+polls faster than it must, so the launcher itself costs almost no CPU.
+"""
+
+from __future__ import annotations
+
+import collections
+import ctypes
+import logging
+import os
+import random
+import selectors
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO, Any
+
+import psutil
+
+from ..errors import exit_code_for, read_error_report
+from .chaos import ChaosSchedule, ChaosSpec, FaultKind, ScheduledFault
+from .job import (
+    Command,
+    JobConfig,
+    JobMachine,
+    ReleaseCapacity,
+    RequestCapacity,
+    StartWorker,
+    StopWorkers,
+)
+from .messages import STATUS_INTERNAL, JobState
+from .policy import Cause, Policy, Strategy, default_policy
+from .quota import Capacity, Lease, LocalQuota, Request, default_quota_dir
+from .record import JOB_FILE, log_path, report_path, write_json_atomic
+from .resources import detect_gpus, process_tree, process_tree_rss
+from .workerenv import JobEnv, Replica, replicas_for, worker_env
+
+log = logging.getLogger(__name__)
+
+_FAULT_CAUSE = {
+    FaultKind.KILL: Cause.NODE_LOSS,
+    FaultKind.MAINTENANCE: Cause.MAINTENANCE,
+    FaultKind.PREEMPT: Cause.PREEMPTION,
+    FaultKind.OOM: Cause.OOM,
+    FaultKind.STOCKOUT: Cause.STOCKOUT,
+    FaultKind.INTERNAL: Cause.INTERNAL,
+}
+
+
+class LaunchError(Exception):
+    """The job could not be set up (bad options, unwritable job directory)."""
+
+
+@dataclass(frozen=True)
+class LaunchOptions:
+    command: tuple[str, ...]
+    job_dir: Path
+    job_name: str
+    pools: tuple[tuple[str, int], ...] = (("workerpool0", 1),)
+    output_dir: str | None = None          # AIP_* base; default JOB_DIR/output
+    gpus_per_worker: int = 0
+    cpu_slots: int = 0                     # of the machine-wide CPU-slot quota
+    memory_limit: int | None = None        # bytes per worker (RSS of its process tree)
+    start_jitter: float = 0.0              # max random delay before each worker starts
+    grace: float = 10.0                    # SIGTERM -> SIGKILL on stop, cancel, faults
+    chaos: ChaosSpec = field(default_factory=ChaosSpec)
+    policy: Policy = field(default_factory=default_policy)
+    strategy: Strategy = Strategy.STANDARD
+    restart_job_on_worker_restart: bool = False
+    timeout: float | None = 7 * 24 * 3600.0
+    max_wait: float | None = 24 * 3600.0
+    region: str = "local"
+    seed: int = 0
+    env: Mapping[str, str] = field(default_factory=lambda: dict(os.environ))
+    quota_dir: Path | None = None
+    memory_poll_s: float = 0.1
+
+
+class _Worker:
+    """One running replica process and what the loop knows about it."""
+
+    def __init__(self, replica: Replica, popen: subprocess.Popen[bytes], attempt: int,
+                 restart: int, log_file: IO[bytes], report: Path,
+                 echo: Callable[[str], None]) -> None:
+        self.replica = replica
+        self.popen = popen
+        self.attempt = attempt
+        self.restart = restart
+        self.report = report
+        self.cause: Cause | None = None      # set when the launcher itself ended it
+        self.kill_at: float | None = None    # SIGKILL deadline after a SIGTERM
+        self.tree: list[psutil.Process] = []
+        self.tail: collections.deque[str] = collections.deque(maxlen=40)
+        self._log = log_file
+        self._reader = threading.Thread(target=self._pump, args=(echo,), daemon=True,
+                                        name=f"log-{replica.name}")
+        self._reader.start()
+
+    def _pump(self, echo: Callable[[str], None]) -> None:
+        assert self.popen.stdout is not None
+        prefix = f"[{self.replica.name}] "
+        for raw in iter(self.popen.stdout.readline, b""):
+            self._log.write(raw)
+            self._log.flush()
+            line = raw.decode("utf-8", "replace").rstrip("\n")
+            self.tail.append(line)
+            echo(prefix + line)
+        self.popen.stdout.close()
+
+    def signal(self, sig: int) -> None:
+        """Signal the worker's whole process group and anything that left the group."""
+        try:
+            os.killpg(self.popen.pid, sig)
+        except (ProcessLookupError, PermissionError):
+            pass
+        for proc in self.tree:
+            try:
+                proc.send_signal(sig)
+            except (psutil.NoSuchProcess, psutil.AccessDenied):
+                pass
+
+    def snapshot_tree(self) -> None:
+        self.tree = process_tree(self.popen.pid)[1:]
+
+    def finish(self) -> str | None:
+        """After exit: kill leftovers, drain the log, return a traceback excerpt if any."""
+        self.snapshot_tree()
+        self.signal(signal.SIGKILL)
+        self._reader.join(timeout=5)
+        self._log.close()
+        report = read_error_report(self.report)
+        if report is not None and (report.traceback or report.message):
+            return report.excerpt() or report.message
+        lines = list(self.tail)
+        starts = [i for i, line in enumerate(lines) if line.startswith("Traceback")]
+        return "\n".join(lines[starts[-1]:][-12:]) if starts else None
+
+
+def _set_pdeathsig() -> None:
+    """In the child: die with the launcher, even if it is SIGKILLed (Linux)."""
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class Launcher:
+    def __init__(self, options: LaunchOptions, *, echo: Callable[[str], None] | None = None,
+                 echo_workers: bool = True, clock: Callable[[], float] = time.time) -> None:
+        self.options = options
+        self._echo_lock = threading.Lock()
+        self._echo_sink = echo or (lambda line: None)
+        self._echo_workers = echo_workers
+        self.clock = clock
+        self.replicas = replicas_for(options.pools)
+        self._by_name = {r.name: r for r in self.replicas}
+        self.job_dir = options.job_dir
+        self._prepare_job_dir()
+        # Validate the chaos targets before anything starts.
+        self.chaos = ChaosSchedule(options.chaos, [r.name for r in self.replicas])
+        self.machine = JobMachine(JobConfig(
+            name=options.job_name,
+            replicas=tuple(r.name for r in self.replicas),
+            policy=options.policy,
+            strategy=options.strategy,
+            restart_job_on_worker_restart=options.restart_job_on_worker_restart,
+            timeout=options.timeout,
+            max_wait=options.max_wait,
+            region=options.region,
+        ), clock())
+        self.env = JobEnv(
+            job_id=options.job_name, replicas=self.replicas, master_addr="127.0.0.1",
+            master_port=free_port(),
+            output_base=(options.output_dir or str(self.job_dir / "output")).rstrip("/"),
+            job_dir=str(self.job_dir))
+        self.workers: dict[str, _Worker] = {}
+        self._delayed: list[tuple[float, StartWorker]] = []
+        self._pending_faults: list[ScheduledFault] = []
+        self._rng = random.Random(options.seed)
+        self._quota = LocalQuota(options.quota_dir or default_quota_dir(options.env),
+                                 Capacity(detect_gpus(options.env), _cpu_slots(options.env)))
+        self._request = Request(gpus=options.gpus_per_worker * len(self.replicas),
+                                cpu_slots=options.cpu_slots)
+        self._lease: Lease | None = None
+        self._wants_capacity = False
+        self._quota_note_shown = False
+        self._cancel_requests = 0
+        self._printed_events = 0
+        self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_w, False)
+        os.set_blocking(self._wake_r, False)
+
+    # --- set-up -----------------------------------------------------------------------
+
+    def _prepare_job_dir(self) -> None:
+        try:
+            self.job_dir.mkdir(parents=True, exist_ok=True)
+            probe = self.job_dir / ".write-test"
+            probe.write_bytes(b"")
+            probe.unlink()
+        except OSError as exc:
+            raise LaunchError(
+                f"cannot write the job directory {self.job_dir}: {exc.strerror or exc}; "
+                "pass --job-dir with a writable path") from None
+        if (self.job_dir / JOB_FILE).exists():
+            raise LaunchError(
+                f"{self.job_dir} already holds a job ({JOB_FILE}); pass a new --job-dir "
+                "or --name so that the earlier record is not overwritten")
+
+    # --- output -----------------------------------------------------------------------
+
+    def echo(self, line: str) -> None:
+        with self._echo_lock:
+            self._echo_sink(line)
+
+    def _echo_worker(self, line: str) -> None:
+        if self._echo_workers:
+            self.echo(line)
+
+    def _flush_events(self) -> None:
+        events = self.machine.events
+        if self._printed_events == len(events):
+            return
+        for event in events[self._printed_events:]:
+            when = self.machine.create_time + event["elapsed_s"]
+            stamp = time.strftime("%H:%M:%S", time.localtime(when))
+            self.echo(f"{stamp} [launcher] {event['message']}")
+        self._printed_events = len(events)
+        write_json_atomic(self.job_dir / JOB_FILE, self._record())
+
+    def _record(self) -> dict[str, Any]:
+        rec = self.machine.to_record()
+        rec["job_spec"] = {
+            "command": list(self.options.command),
+            "worker_pool_specs": [{"pool": p, "replica_count": n,
+                                   "gpus_per_replica": self.options.gpus_per_worker,
+                                   "memory_limit_bytes": self.options.memory_limit}
+                                  for p, n in self.options.pools],
+            "base_output_directory": self.env.output_base,
+            "master_port": self.env.master_port,
+        }
+        rec["job_dir"] = str(self.job_dir)
+        return rec
+
+    def note(self, message: str) -> None:
+        self.machine._event(self.clock(), "fault", message)  # noqa: SLF001 - shared event log
+
+    # --- the loop ---------------------------------------------------------------------
+
+    def run(self) -> int:
+        """Run the job to a terminal state; return the launcher's exit status."""
+        restore = self._install_signals()
+        try:
+            self._execute(self.machine.start(self.clock()))
+            while not (self.machine.state.terminal and not self.workers):
+                self._step()
+                self._flush_events()
+                if self.machine.state.terminal and not self.workers:
+                    break
+                self._sleep()
+        except BaseException as exc:
+            # The launcher itself failed: no worker may outlive it, and the record says why.
+            log.exception("launcher failed")
+            self._kill_everything()
+            if not self.machine.state.terminal:
+                from .messages import internal_error
+                self.machine.error = internal_error()
+                self.machine.end_time = self.clock()
+                self.machine._set_state(JobState.FAILED, self.clock())  # noqa: SLF001
+            self._flush_events()
+            if isinstance(exc, KeyboardInterrupt):
+                return STATUS_INTERNAL
+            raise
+        finally:
+            self._release()
+            restore()
+        status = self.machine.exit_status
+        return 0 if status is None else status
+
+    def _step(self) -> None:
+        now = self.clock()
+        self._reap(now)
+        if self._cancel_requests:
+            self._execute(self.machine.cancel(now))
+            if self._cancel_requests > 1:
+                for w in self.workers.values():
+                    w.signal(signal.SIGKILL)
+        for w in list(self.workers.values()):
+            if w.kill_at is not None and now >= w.kill_at:
+                self.echo(f"[launcher] {w.replica.name}: grace period over, SIGKILL")
+                w.kill_at = None
+                w.signal(signal.SIGKILL)
+        if self.options.memory_limit is not None:
+            self._check_memory()
+        self._inject_faults(now)
+        due = [cmd for t, cmd in self._delayed if t <= now]
+        self._delayed = [(t, cmd) for t, cmd in self._delayed if t > now]
+        for cmd in due:
+            self._start_worker(cmd)
+        if self._wants_capacity:
+            self._try_capacity(now)
+        self._execute(self.machine.tick(now))
+
+    def _sleep(self) -> None:
+        now = self.clock()
+        deadlines = [t for t, _ in self._delayed]
+        deadlines += [w.kill_at for w in self.workers.values() if w.kill_at is not None]
+        machine_deadline = self.machine.next_deadline()
+        if machine_deadline is not None:
+            deadlines.append(machine_deadline)
+        if self.machine.start_time is not None:
+            fault_at = self.chaos.next_time()
+            if fault_at is not None:
+                deadlines.append(self.machine.start_time + fault_at)
+        timeout = 1.0
+        if self.options.memory_limit is not None and self.workers:
+            timeout = self.options.memory_poll_s
+        if self._wants_capacity or self._pending_faults:
+            timeout = min(timeout, 0.25)
+        if deadlines:
+            timeout = min(timeout, max(0.0, min(deadlines) - now))
+        # SIGCHLD writes to the wake pipe, so a dying worker is seen at once.
+        sel = selectors.DefaultSelector()
+        sel.register(self._wake_r, selectors.EVENT_READ)
+        try:
+            if sel.select(timeout):
+                try:
+                    while os.read(self._wake_r, 512):
+                        pass
+                except BlockingIOError:
+                    pass
+        finally:
+            sel.close()
+
+    # --- commands ---------------------------------------------------------------------
+
+    def _execute(self, commands: Sequence[Command]) -> None:
+        queue = collections.deque(commands)
+        while queue:
+            cmd = queue.popleft()
+            if isinstance(cmd, StartWorker):
+                jitter = self.options.start_jitter
+                delay = self._rng.uniform(0, jitter) if jitter > 0 else 0.0
+                if delay > 0:
+                    self._delayed.append((self.clock() + delay, cmd))
+                else:
+                    queue.extend(self._start_worker(cmd, execute=False))
+            elif isinstance(cmd, StopWorkers):
+                self._stop(cmd.replicas, self.options.grace)
+            elif isinstance(cmd, RequestCapacity):
+                self._wants_capacity = True
+                queue.extend(self._try_capacity(self.clock(), execute=False))
+            elif isinstance(cmd, ReleaseCapacity):
+                self._release()
+
+    def _start_worker(self, cmd: StartWorker, *, execute: bool = True) -> list[Command]:
+        if not self.machine.is_current(cmd):
+            return []
+        replica = self._by_name[cmd.replica]
+        o = self.options
+        gpu_ids = None
+        if self._lease is not None and o.gpus_per_worker:
+            i = self.replicas.index(replica)
+            gpu_ids = self._lease.gpu_ids[i * o.gpus_per_worker:(i + 1) * o.gpus_per_worker]
+        elif self._quota_capacity_has_gpus():
+            gpu_ids = ()  # a replica without accelerators sees none, as on the platform
+        report = report_path(self.job_dir, cmd.attempt, replica.name, cmd.restart)
+        report.parent.mkdir(parents=True, exist_ok=True)
+        report.unlink(missing_ok=True)
+        env = worker_env(self.env, replica, attempt=cmd.attempt, restart=cmd.restart,
+                         error_file=str(report), gpu_ids=gpu_ids, base=o.env)
+        logfile = log_path(self.job_dir, cmd.attempt, replica.name)
+        logfile.parent.mkdir(parents=True, exist_ok=True)
+        out = open(logfile, "ab")
+        out.write(f"===== {replica.name} attempt {cmd.attempt} restart {cmd.restart} "
+                  f"at {time.strftime('%Y-%m-%dT%H:%M:%S')} =====\n".encode())
+        now = self.clock()
+        try:
+            popen = subprocess.Popen(
+                list(o.command), env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT, start_new_session=True,
+                preexec_fn=_set_pdeathsig if sys.platform.startswith("linux") else None)
+        except (FileNotFoundError, PermissionError, NotADirectoryError) as exc:
+            # As on the platform: a command that cannot start is exit 128, StartError.
+            msg = f"cannot start {o.command[0]!r}: {exc.strerror or exc}"
+            out.write((msg + "\n").encode())
+            out.close()
+            self.echo(f"[{replica.name}] {msg}")
+            cmds = self.machine.worker_started(replica.name, now) + self.machine.worker_exited(
+                replica.name, 128, Cause.START_ERROR, now, excerpt=msg)
+        except OSError as exc:
+            out.close()
+            self.echo(f"[launcher] cannot create a process for {replica.name}: {exc}")
+            cmds = self.machine.worker_started(replica.name, now) + self.machine.worker_exited(
+                replica.name, STATUS_INTERNAL, Cause.INTERNAL, now)
+        else:
+            self.workers[replica.name] = _Worker(replica, popen, cmd.attempt, cmd.restart, out,
+                                                 report, self._echo_worker)
+            cmds = self.machine.worker_started(replica.name, now)
+        if execute:
+            self._execute(cmds)
+            return []
+        return cmds
+
+    def _stop(self, names: Sequence[str], grace: float, cause: Cause | None = None) -> None:
+        now = self.clock()
+        for name in names:
+            w = self.workers.get(name)
+            if w is None:
+                continue
+            if cause is not None:
+                w.cause = cause
+            w.snapshot_tree()
+            w.signal(signal.SIGTERM)
+            deadline = now + grace
+            w.kill_at = deadline if w.kill_at is None else min(w.kill_at, deadline)
+
+    def _reap(self, now: float) -> None:
+        for name, w in list(self.workers.items()):
+            rc = w.popen.poll()
+            if rc is None:
+                continue
+            del self.workers[name]
+            excerpt = w.finish()
+            code = exit_code_for(rc)
+            cause = w.cause or Cause.EXIT
+            self._execute(self.machine.worker_exited(name, code, cause, now, excerpt=excerpt))
+
+    # --- capacity ---------------------------------------------------------------------
+
+    def _quota_capacity_has_gpus(self) -> bool:
+        return bool(self._quota.capacity.gpu_ids)
+
+    def _try_capacity(self, now: float, *, execute: bool = True) -> list[Command]:
+        cmds: list[Command] = []
+        if self._lease is None and self._request != Request():
+            if not self._quota.fits_ever(self._request):
+                cmds = self.machine.no_capacity(now)
+                if self.machine.state is JobState.QUEUED and not self._quota_note_shown:
+                    self._quota_note_shown = True
+                    self.echo(f"[launcher] waiting for capacity: the job asks for "
+                              f"{self._request.gpus} GPUs / {self._request.cpu_slots} CPU slots, "
+                              f"this machine has {len(self._quota.capacity.gpu_ids)} / "
+                              f"{self._quota.capacity.cpu_slots}")
+            else:
+                self._lease = self._quota.try_acquire(self.options.job_name, self._request)
+                if self._lease is None and not self._quota_note_shown:
+                    self._quota_note_shown = True
+                    held = ", ".join(f"{l.job_id} ({len(l.gpu_ids)} GPUs, {l.cpu_slots} slots)"
+                                     for l in self._quota.usage())
+                    self.echo(f"[launcher] queued: the quota is in use by {held or 'other jobs'}")
+        if self._lease is not None or self._request == Request():
+            self._wants_capacity = False
+            self._quota_note_shown = False
+            cmds = self.machine.quota_granted(now)
+        if execute:
+            self._execute(cmds)
+            return []
+        return cmds
+
+    def _release(self) -> None:
+        self._wants_capacity = False
+        if self._lease is not None:
+            self._quota.release(self._lease)
+            self._lease = None
+
+    # --- faults and limits ------------------------------------------------------------
+
+    def _inject_faults(self, now: float) -> None:
+        start = self.machine.start_time
+        if start is None or self.machine.state.terminal:
+            return
+        self._pending_faults.extend(self.chaos.due(now - start))
+        waiting = []
+        for fault in self._pending_faults:
+            if not self._inject(fault, now):
+                waiting.append(fault)   # its target is between lives: hit the next one
+        self._pending_faults = waiting
+
+    def _inject(self, fault: ScheduledFault, now: float) -> bool:
+        cause = _FAULT_CAUSE[fault.kind]
+        if fault.kind.job_wide:
+            if self.machine.state is not JobState.RUNNING:
+                return False
+            self.note(f"chaos: {fault.kind.value} (whole job) at {now - self.machine.create_time:.1f} s")
+            self._execute(self.machine.job_fault(cause, now))
+            return True
+        w = self.workers.get(fault.target or "")
+        if w is None or w.cause is not None or w.kill_at is not None:
+            return False
+        self.note(f"chaos: {fault.kind.value} on {w.replica.name}")
+        w.cause = cause
+        w.snapshot_tree()
+        if fault.kind.has_grace:
+            grace = fault.grace if fault.grace is not None else self.options.grace
+            w.signal(signal.SIGTERM)
+            w.kill_at = now + grace
+        else:
+            w.signal(signal.SIGKILL)
+        return True
+
+    def _check_memory(self) -> None:
+        limit = self.options.memory_limit
+        assert limit is not None
+        for w in self.workers.values():
+            if w.cause is not None:
+                continue
+            rss = process_tree_rss(w.popen.pid)
+            if rss > limit:
+                self.note(f"{w.replica.name}: out of memory: {rss / 2**20:.0f} MiB > limit "
+                          f"{limit / 2**20:.0f} MiB")
+                w.cause = Cause.OOM
+                w.snapshot_tree()
+                w.signal(signal.SIGKILL)
+
+    # --- signals and teardown ---------------------------------------------------------
+
+    def _install_signals(self) -> Callable[[], None]:
+        if threading.current_thread() is not threading.main_thread():
+            return lambda: None
+
+        def on_cancel(signum: int, frame: Any) -> None:
+            self._cancel_requests += 1
+            if self._cancel_requests == 1:
+                self.echo(f"[launcher] {signal.Signals(signum).name}: cancelling the job "
+                          f"(again to kill at once)")
+
+        old = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGCHLD)}
+        signal.signal(signal.SIGINT, on_cancel)
+        signal.signal(signal.SIGTERM, on_cancel)
+        signal.signal(signal.SIGCHLD, lambda *_: None)
+        old_fd = signal.set_wakeup_fd(self._wake_w, warn_on_full_buffer=False)
+
+        def restore() -> None:
+            signal.set_wakeup_fd(old_fd)
+            for s, h in old.items():
+                signal.signal(s, h)
+        return restore
+
+    def _kill_everything(self) -> None:
+        for w in list(self.workers.values()):
+            w.snapshot_tree()
+            w.signal(signal.SIGKILL)
+        for name, w in list(self.workers.items()):
+            try:
+                w.popen.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                pass
+            w.finish()
+            del self.workers[name]
+
+
+def _cpu_slots(env: Mapping[str, str]) -> int:
+    value = env.get("RESILIENT_TRAIN_CPU_SLOTS")
+    if value:
+        try:
+            return int(value)
+        except ValueError:
+            raise LaunchError(f"RESILIENT_TRAIN_CPU_SLOTS must be an integer, found {value!r}") from None
+    return os.cpu_count() or 1

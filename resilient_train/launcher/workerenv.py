@@ -1,0 +1,101 @@
+"""The environment each replica gets: the platform's variables plus torchrun's."""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+from ..cluster import cluster_spec_json, tf_config_json
+from ..errors import ERROR_FILE_ENV
+
+# Pools 0 (primary) and 1 (workers) form the training process group; pools 2 (parameter
+# or reduction servers) and 3 (evaluators) do not.
+TRAINING_POOLS = ("workerpool0", "workerpool1")
+
+
+@dataclass(frozen=True)
+class Replica:
+    name: str          # "workerpool1-0"
+    pool: str          # "workerpool1"
+    index: int         # index inside the pool
+    rank: int | None   # training rank; None for pools 2 and 3
+
+
+def replicas_for(pools: Sequence[tuple[str, int]]) -> tuple[Replica, ...]:
+    """Replicas in rank order: workerpool0-0 first, then workerpool1-*, then pools 2 and 3."""
+    counts = dict(pools)
+    if counts.get("workerpool0") != 1:
+        raise ValueError(
+            f"workerpool0 must have exactly one replica (the primary), found "
+            f"{counts.get('workerpool0', 0)}; use --workers N or --pool workerpool0=1")
+    out: list[Replica] = []
+    rank = 0
+    for pool in sorted(counts, key=lambda p: int(p.removeprefix("workerpool"))):
+        for i in range(counts[pool]):
+            is_training = pool in TRAINING_POOLS
+            out.append(Replica(f"{pool}-{i}", pool, i, rank if is_training else None))
+            rank += 1 if is_training else 0
+    return tuple(out)
+
+
+@dataclass(frozen=True)
+class JobEnv:
+    """What is the same for every replica of a job."""
+
+    job_id: str
+    replicas: tuple[Replica, ...]
+    master_addr: str
+    master_port: int
+    output_base: str                 # local path or gs:// URI, no trailing slash
+    job_dir: str
+
+
+def worker_env(job: JobEnv, replica: Replica, *, attempt: int, restart: int,
+               error_file: str, gpu_ids: Sequence[int] | None,
+               base: Mapping[str, str]) -> dict[str, str]:
+    cluster: dict[str, list[str]] = {}
+    for i, r in enumerate(job.replicas):
+        # Locally every replica is this host; ports are distinct so the addresses are too.
+        cluster.setdefault(r.pool, []).append(f"{job.master_addr}:{job.master_port + i}")
+    world = sum(1 for r in job.replicas if r.rank is not None)
+    env = dict(base)
+    env.update({
+        "CLUSTER_SPEC": cluster_spec_json(cluster, replica.pool, replica.index,
+                                          job={"job_id": job.job_id}),
+        "MASTER_ADDR": job.master_addr,
+        "MASTER_PORT": str(job.master_port),
+        "WORLD_SIZE": str(world),
+        "LOCAL_RANK": "0",
+        "LOCAL_WORLD_SIZE": "1",
+        "CLOUD_ML_JOB_ID": job.job_id,
+        "CLOUD_ML_PROJECT_ID": "local",
+        "AIP_MODEL_DIR": f"{job.output_base}/model/",
+        "AIP_CHECKPOINT_DIR": f"{job.output_base}/checkpoints/",
+        "AIP_TENSORBOARD_LOG_DIR": f"{job.output_base}/logs/",
+        # torchrun's variables, so scripts written for torchrun run unchanged.
+        "TORCHELASTIC_RESTART_COUNT": str(restart),
+        "TORCHELASTIC_RUN_ID": job.job_id,
+        ERROR_FILE_ENV: error_file,
+        "RESILIENT_TRAIN_REPLICA": replica.name,
+        "RESILIENT_TRAIN_ATTEMPT": str(attempt),
+        "RESILIENT_TRAIN_RESTART_COUNT": str(restart),
+        "RESILIENT_TRAIN_JOB_DIR": job.job_dir,
+        "PYTHONUNBUFFERED": "1",
+    })
+    if replica.rank is not None:
+        env["RANK"] = env["GROUP_RANK"] = str(replica.rank)
+    else:
+        env.pop("RANK", None)
+        env.pop("GROUP_RANK", None)
+    tf_config = tf_config_json(cluster, replica.pool, replica.index)
+    if tf_config is not None:
+        env["TF_CONFIG"] = tf_config
+    else:
+        env.pop("TF_CONFIG", None)
+    if gpu_ids is not None:
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(str(g) for g in gpu_ids)
+    if sys.platform.startswith("linux"):
+        # Every replica is on this host: keep gloo on loopback unless the user chose.
+        env.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    return env

@@ -1,0 +1,219 @@
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from resilient_train.launcher.chaos import (
+    RANDOM_FAULT_CAP,
+    ChaosSchedule,
+    ChaosSpec,
+    ChaosSpecError,
+    Fault,
+    FaultKind,
+    RandomFault,
+    ScheduledFault,
+    load_chaos,
+    parse_chaos,
+    parse_duration,
+)
+
+REPLICAS = ["workerpool0-0", "workerpool1-0", "workerpool1-1"]
+
+
+@pytest.mark.parametrize(
+    ("text", "seconds"),
+    [
+        ("500ms", 0.5), ("20s", 20.0), ("1.5m", 90.0), ("2h", 7200.0),
+        ("7", 7.0), ("0", 0.0), ("3S", 3.0),
+    ],
+)
+def test_parse_duration(text: str, seconds: float) -> None:
+    assert parse_duration(text) == pytest.approx(seconds)
+
+
+def test_fault_kind_scope() -> None:
+    replica = {k for k in FaultKind if k.targets_replica}
+    assert replica == {FaultKind.KILL, FaultKind.MAINTENANCE, FaultKind.PREEMPT, FaultKind.OOM}
+    assert {k for k in FaultKind if k.job_wide} == {FaultKind.STOCKOUT, FaultKind.INTERNAL}
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("kill@20s", ChaosSpec(faults=(Fault(FaultKind.KILL, 20.0),))),
+        (
+            "kill@20s,maintenance@45s",
+            ChaosSpec(faults=(Fault(FaultKind.KILL, 20.0), Fault(FaultKind.MAINTENANCE, 45.0))),
+        ),
+        (
+            "preempt:workerpool1-0@1m/5s",
+            ChaosSpec(faults=(Fault(FaultKind.PREEMPT, 60.0, "workerpool1-0", 5.0),)),
+        ),
+        ("oom:1@3s", ChaosSpec(faults=(Fault(FaultKind.OOM, 3.0, "1"),))),
+        ("kill~30s", ChaosSpec(random=(RandomFault(FaultKind.KILL, 30.0),))),
+        ("kill~30sx5", ChaosSpec(random=(RandomFault(FaultKind.KILL, 30.0, max_count=5),))),
+        ("stockout@10s", ChaosSpec(faults=(Fault(FaultKind.STOCKOUT, 10.0),))),
+        ("internal@2s", ChaosSpec(faults=(Fault(FaultKind.INTERNAL, 2.0),))),
+        (
+            "  kill@1 ,  OOM@500ms ",
+            ChaosSpec(faults=(Fault(FaultKind.KILL, 1.0), Fault(FaultKind.OOM, 0.5))),
+        ),
+        ("", ChaosSpec()),
+    ],
+)
+def test_parse_examples(text: str, expected: ChaosSpec) -> None:
+    assert parse_chaos(text) == expected
+
+
+def test_spec_truthiness_and_seed() -> None:
+    assert not ChaosSpec()
+    assert parse_chaos("kill@1s", seed=7).seed == 7
+    assert parse_chaos("kill~1s")
+
+
+@pytest.mark.parametrize(
+    ("text", "fragments"),
+    [
+        (
+            "kill@1s,explode@3s",
+            ["unknown fault kind 'explode'", "item 2", "column 9", "kill, maintenance", "@TIME"],
+        ),
+        ("kill", ["no @TIME or ~MEAN", "item 1", "e.g. kill:workerpool1-0@20s"]),
+        ("kill@soon", ["bad time", "'soon'", "500ms"]),
+        ("stockout:1@3s", ["whole job", "stockout@TIME"]),
+        ("kill@1s/2s", ["grace period applies only to maintenance and preempt"]),
+        ("kill~0s", ["must be > 0"]),
+        ("kill~5sx0", ["integer >= 1"]),
+        ("kill@1s,,oom@2s", ["empty item 2"]),
+        ("kill:@1s", ["bad target ''"]),
+    ],
+)
+def test_parse_errors_name_item_and_fix(text: str, fragments: list[str]) -> None:
+    with pytest.raises(ChaosSpecError) as info:
+        parse_chaos(text)
+    assert isinstance(info.value, ValueError)
+    for fragment in fragments:
+        assert fragment in str(info.value)
+
+
+def test_load_inline_json_and_text_files(tmp_path: Path) -> None:
+    assert load_chaos("kill@2s", seed=3) == parse_chaos("kill@2s", seed=3)
+
+    js = tmp_path / "chaos.json"
+    js.write_text(
+        json.dumps(
+            {
+                "seed": 1,
+                "faults": [
+                    {"kind": "preempt", "at": "20s", "target": "workerpool1-0", "grace": "5s"}
+                ],
+                "random": [{"kind": "kill", "mean": "30s", "count": 3}],
+            }
+        )
+    )
+    assert load_chaos(f"@{js}", seed=9) == ChaosSpec(
+        faults=(Fault(FaultKind.PREEMPT, 20.0, "workerpool1-0", 5.0),),
+        random=(RandomFault(FaultKind.KILL, 30.0, None, 3),),
+        seed=1,
+    )
+
+    txt = tmp_path / "chaos.txt"
+    txt.write_text("# a drill\nkill@20s   # first\n\nmaintenance:1@45s/3s\nkill~1mx2\n")
+    assert load_chaos(f"@{txt}", seed=4) == parse_chaos(
+        "kill@20s,maintenance:1@45s/3s,kill~1mx2", seed=4
+    )
+
+
+def test_load_errors(tmp_path: Path) -> None:
+    with pytest.raises(ChaosSpecError, match="not found"):
+        load_chaos(f"@{tmp_path / 'missing.json'}")
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({"faults": [{"kind": "kill", "at": 1, "when": 2}], "sede": 1}))
+    with pytest.raises(ChaosSpecError, match="unknown key.*sede"):
+        load_chaos(f"@{bad}")
+    bad.write_text(json.dumps({"faults": [{"kind": "kill", "at": 1, "when": 2}]}))
+    with pytest.raises(ChaosSpecError, match=r"unknown key\(s\) when in .*faults\[0\]"):
+        load_chaos(f"@{bad}")
+    txt = tmp_path / "bad.txt"
+    txt.write_text("kill@1s\nboom@2s\n")
+    with pytest.raises(ChaosSpecError, match="bad.txt.*'boom'"):
+        load_chaos(f"@{txt}")
+
+
+def test_schedule_resolves_ranks_and_orders_faults() -> None:
+    spec = parse_chaos("stockout@4s,oom:1@3s,kill:workerpool0-0@1s,preempt:2@3s/7s")
+    # Replicas in any order: ranks follow pool then index.
+    schedule = ChaosSchedule(spec, list(reversed(REPLICAS)))
+    assert schedule.next_time() == 1.0
+    assert schedule.due(0.5) == []
+    assert schedule.due(3.0) == [
+        ScheduledFault(FaultKind.KILL, 1.0, "workerpool0-0"),
+        ScheduledFault(FaultKind.OOM, 3.0, "workerpool1-0"),
+        ScheduledFault(FaultKind.PREEMPT, 3.0, "workerpool1-1", 7.0),
+    ]
+    assert schedule.next_time() == 4.0
+    assert schedule.due(100) == [ScheduledFault(FaultKind.STOCKOUT, 4.0, None)]
+    assert schedule.next_time() is None and schedule.due(1e9) == []
+
+
+@pytest.mark.parametrize(
+    ("text", "fragment"),
+    [
+        ("kill:3@1s", "rank 3"),
+        ("kill:workerpool2-0@1s", "unknown replica 'workerpool2-0'"),
+        ("kill~1s", "has none"),
+    ],
+)
+def test_schedule_rejects_bad_targets(text: str, fragment: str) -> None:
+    replicas = [] if "~" in text else REPLICAS
+    with pytest.raises(ChaosSpecError) as info:
+        ChaosSchedule(parse_chaos(text), replicas)
+    assert fragment in str(info.value)
+    if replicas:
+        assert "workerpool1-1 (rank 2)" in str(info.value)
+
+
+def test_schedule_is_deterministic_and_random_targets_are_replicas() -> None:
+    spec = parse_chaos("kill@5s,oom@6s,kill~10sx20,maintenance:1~30sx4/2s", seed=42)
+    first = ChaosSchedule(spec, REPLICAS).due(float("inf"))
+    again = ChaosSchedule(spec, REPLICAS).due(float("inf"))
+    assert first == again
+    assert len(first) == 2 + 20 + 4
+    assert [f.at for f in first] == sorted(f.at for f in first)
+    assert {f.target for f in first} <= set(REPLICAS)
+    maint = [f for f in first if f.kind is FaultKind.MAINTENANCE]
+    assert {f.target for f in maint} == {"workerpool1-0"} and {f.grace for f in maint} == {2.0}
+    other = ChaosSchedule(parse_chaos("kill@5s,oom@6s,kill~10sx20", seed=43), REPLICAS)
+    assert [f.at for f in other.due(float("inf"))] != [f.at for f in first[:22]]
+
+
+def test_uncounted_random_faults_are_lazy_and_capped() -> None:
+    schedule = ChaosSchedule(parse_chaos("kill~1ms"), REPLICAS)
+    early = schedule.due(0.5)
+    assert 100 < len(early) < RANDOM_FAULT_CAP  # mean 1 ms: hundreds within half a second
+    assert len(early) + len(schedule.due(float("inf"))) == RANDOM_FAULT_CAP
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    seed=st.integers(0, 2**32),
+    polls=st.lists(st.floats(0, 300, allow_nan=False), max_size=30),
+)
+def test_schedule_does_not_depend_on_polling(seed: int, polls: list[float]) -> None:
+    spec = parse_chaos("kill~20sx8,preempt~45sx5,oom@30s,stockout@90s", seed=seed)
+    reference = ChaosSchedule(spec, REPLICAS).due(float("inf"))
+    schedule = ChaosSchedule(spec, REPLICAS)
+    seen: list[ScheduledFault] = []
+    for elapsed in sorted(polls):
+        nxt = schedule.next_time()
+        batch = schedule.due(elapsed)
+        assert all(f.at <= elapsed for f in batch)
+        if batch:
+            assert batch[0].at == nxt
+        seen += batch
+    seen += schedule.due(float("inf"))
+    assert seen == reference
