@@ -205,7 +205,10 @@ class ClusterInfo:
     def from_env(cls, env: Mapping[str, str] | None = None) -> ClusterInfo:
         """Read the environment; precedence: torchrun vars, CLUSTER_SPEC, TF_CONFIG, standalone.
 
-        Raises ClusterSpecError for any malformed variable that decides the result.
+        Torchrun mode needs both RANK and WORLD_SIZE; a lone one is ignored when a
+        CLUSTER_SPEC / TF_CONFIG is present (the launcher gives workerpool2/3 replicas
+        WORLD_SIZE but no RANK) and an error otherwise. Raises ClusterSpecError for any
+        malformed variable that decides the result.
         """
         env = os.environ if env is None else env
         local_rank = _env_int(env, "LOCAL_RANK", 0)
@@ -228,10 +231,21 @@ class ClusterInfo:
             "restart_count": _env_int(env, restart_var, 0),
         }
 
-        if _is_set(env, "RANK") or _is_set(env, "WORLD_SIZE"):
+        has_rank, has_world = _is_set(env, "RANK"), _is_set(env, "WORLD_SIZE")
+        if has_rank and has_world:
             return cls._from_torchrun(env, common)
+        # A lone WORLD_SIZE is what workerpool2/3 replicas get (no rank): the spec decides.
         spec = _try_spec(env)
         if spec is None:
+            if has_rank != has_world:
+                missing = "WORLD_SIZE" if has_rank else "RANK"
+                raise _error(
+                    missing,
+                    "",
+                    "an integer (RANK and WORLD_SIZE come together)",
+                    None,
+                    f"Set {missing} too, or unset both.",
+                )
             return cls(
                 rank=0,
                 world_size=1,
@@ -268,15 +282,6 @@ class ClusterInfo:
 
     @classmethod
     def _from_torchrun(cls, env: Mapping[str, str], common: dict[str, Any]) -> ClusterInfo:
-        for var in ("RANK", "WORLD_SIZE"):
-            if not _is_set(env, var):
-                raise _error(
-                    var,
-                    "",
-                    "an integer (RANK and WORLD_SIZE come together)",
-                    None,
-                    "Set both RANK and WORLD_SIZE, or neither.",
-                )
         world_size = _env_int(env, "WORLD_SIZE", 1, minimum=1)
         rank = _env_int(env, "RANK", 0)
         if rank >= world_size:

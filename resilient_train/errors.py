@@ -180,7 +180,7 @@ def write_error_report(
 def _report_from_ours(data: Any) -> ErrorReport | None:
     if not isinstance(data, dict):
         return None
-    types = {
+    types: dict[str, type | tuple[type, ...]] = {
         "replica": str,
         "exit_code": int,
         "classification": str,
@@ -192,7 +192,7 @@ def _report_from_ours(data: Any) -> ErrorReport | None:
         not isinstance(data.get(k), t) or isinstance(data.get(k), bool) for k, t in types.items()
     ):
         return None
-    return ErrorReport(**{k: data[k] for k in types})
+    return ErrorReport(**{k: data[k] for k in types})  # bool is an int, but never a valid one
 
 
 def _report_from_torchelastic(data: dict[str, Any]) -> ErrorReport | None:

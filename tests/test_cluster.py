@@ -82,6 +82,17 @@ def test_torchrun_takes_name_and_master_from_cluster_spec() -> None:
     assert (info.master_addr, info.master_port) == ("wp0-0", 2222)
 
 
+def test_lone_world_size_defers_to_cluster_spec() -> None:
+    # The launcher's environment for a parameter server or evaluator: WORLD_SIZE, no RANK.
+    env = {
+        "WORLD_SIZE": "4",
+        "MASTER_ADDR": "127.0.0.1",
+        "CLUSTER_SPEC": spec(FULL, "workerpool2", 0),
+    }
+    info = ClusterInfo.from_env(env)
+    assert (info.rank, info.replica_name, info.source) == (-1, "workerpool2-0", "cluster_spec")
+
+
 def test_torchrun_ignores_malformed_cluster_spec(caplog: pytest.LogCaptureFixture) -> None:
     with caplog.at_level(logging.WARNING, logger="resilient_train.cluster"):
         info = ClusterInfo.from_env({"RANK": "1", "WORLD_SIZE": "2", "CLUSTER_SPEC": "{"})
