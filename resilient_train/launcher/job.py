@@ -152,7 +152,12 @@ class JobMachine:
         """The launcher's exit status once terminal: 0, the root cause's code, or a STATUS_*."""
         if not self.state.terminal:
             return None
-        return 0 if self.state is JobState.SUCCEEDED else (self.error.exit_status if self.error else 1)
+        if self.state is JobState.SUCCEEDED:
+            return 0
+        status = self.error.exit_status if self.error else 1
+        # A job that did not succeed never exits 0, even when its root cause is a worker
+        # that exited 0 (one that caught SIGTERM on a preemption, say).
+        return status or 1
 
     def live_replicas(self) -> tuple[str, ...]:
         att = self.attempt
@@ -245,6 +250,8 @@ class JobMachine:
     def cancel(self, now: float) -> list[Command]:
         if self.state.terminal or self.state is JobState.CANCELLING:
             return []
+        if self._after_stop is not None and self._after_stop.kind == "terminal":
+            return []   # the job's end is already decided; the first terminal decision stands
         if self.state is JobState.QUEUED:
             self.error = cancelled_error()
             return self._finish(JobState.CANCELLED, now)
@@ -300,8 +307,9 @@ class JobMachine:
     def _take_step(self, steps: tuple[Step, ...], outcome: Outcome) -> Step | None:
         """The first step whose budget lasts; spend it."""
         for step in steps:
-            if step.action is Action.RESTART_WORKER and outcome.replica is None:
-                continue
+            if (step.action in (Action.RESTART_WORKER, Action.WORKER_DONE)
+                    and outcome.replica is None):
+                continue   # a job-wide fault has no worker to restart or finish
             if step.budget is None:
                 if step.action is Action.RESTART_WORKER and outcome.replica is not None:
                     self.attempts[-1].replicas[outcome.replica].uncounted_restarts += 1
@@ -387,16 +395,20 @@ class JobMachine:
 
     def _maybe_finish_stop(self, now: float) -> list[Command]:
         after = self._after_stop
-        if after is None or any(r.status == STOPPING for r in self.attempts[-1].replicas.values()):
+        att = self.attempt
+        if after is None or (att is not None
+                             and any(r.status == STOPPING for r in att.replicas.values())):
             return []
         self._after_stop = None
-        att = self.attempts[-1]
         if after.kind == "restart_all":
+            assert att is not None
             return [self._start(name, now) for name in att.replicas]
-        att.end_time = now
-        att.result = after.reason
+        if att is not None:
+            att.end_time = now
+            att.result = after.reason
         if after.kind == "retry":
-            return self._new_attempt(now)
+            # Decided before any attempt (a stockout at the quota stage): ask for the quota again.
+            return self._new_attempt(now) if att is not None else [RequestCapacity()]
         if after.kind == "requeue":
             self._waiting_since = now
             self._set_state(JobState.QUEUED, now)

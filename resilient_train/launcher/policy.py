@@ -219,21 +219,40 @@ def policy_from_dict(data: Mapping[str, Any], *, source: str = "policy") -> Poli
     if unknown:
         raise PolicyError(f"{source}: unknown top-level keys {sorted(unknown)}; allowed: budgets, rules")
     budgets = dict(DEFAULT_BUDGETS)
-    for name, spec in (data.get("budgets") or {}).items():
-        if isinstance(spec, int) and not isinstance(spec, bool):
-            budgets[name] = Budget(name, spec, budgets[name].scope if name in budgets else JOB_SCOPE)
-        elif isinstance(spec, Mapping) and isinstance(spec.get("limit"), int):
-            budgets[name] = Budget(name, spec["limit"], str(spec.get("scope", JOB_SCOPE)))
-        else:
-            raise PolicyError(
-                f"{source}: budget {name!r} must be an integer or {{\"limit\": N, \"scope\": "
-                f"\"worker\"|\"job\"}}, found {spec!r}"
-            )
+    raw_budgets = data.get("budgets") or {}
+    if not isinstance(raw_budgets, Mapping):
+        raise PolicyError(f"{source}: 'budgets' must be an object of name -> limit, "
+                          f"found {raw_budgets!r}")
+    for name, spec in raw_budgets.items():
+        try:
+            if _is_int(spec):
+                budgets[name] = Budget(name, spec, budgets[name].scope if name in budgets else JOB_SCOPE)
+            elif (isinstance(spec, Mapping) and _is_int(spec.get("limit"))
+                  and not set(spec) - {"limit", "scope"}):
+                budgets[name] = Budget(name, spec["limit"], str(spec.get("scope", JOB_SCOPE)))
+            else:
+                raise PolicyError(
+                    f"budget {name!r} must be an integer or {{\"limit\": N, \"scope\": "
+                    f"\"worker\"|\"job\"}}, found {spec!r}"
+                )
+        except PolicyError as exc:
+            raise PolicyError(f"{source}: {exc}") from None
     raw_rules = data.get("rules")
     if not isinstance(raw_rules, Sequence) or isinstance(raw_rules, str) or not raw_rules:
         raise PolicyError(f"{source}: 'rules' must be a non-empty list of rules")
     rules = tuple(_rule_from_dict(raw, i, source) for i, raw in enumerate(raw_rules, 1))
-    return Policy(rules, budgets)
+    try:
+        return Policy(rules, budgets)
+    except PolicyError as exc:
+        raise PolicyError(f"{source}: {exc}") from None
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_list(value: Any) -> bool:
+    return isinstance(value, Sequence) and not isinstance(value, (str, bytes))
 
 
 def _rule_from_dict(raw: Any, index: int, source: str) -> Rule:
@@ -246,16 +265,18 @@ def _rule_from_dict(raw: Any, index: int, source: str) -> Rule:
     match_raw = raw.get("match", {})
     if not isinstance(match_raw, Mapping) or set(match_raw) - _MATCH_KEYS:
         raise PolicyError(f"{where}: 'match' may only have {sorted(_MATCH_KEYS)}, found {match_raw!r}")
+    valid_causes = ", ".join(c.value for c in Cause)
+    raw_causes = match_raw.get("causes")
+    if raw_causes is not None and not _is_list(raw_causes):
+        raise PolicyError(f"{where}: causes must be a list like [\"oom\"], found {raw_causes!r}; "
+                          f"valid causes: {valid_causes}")
     try:
-        causes = (frozenset(Cause(c) for c in match_raw["causes"])
-                  if "causes" in match_raw else None)
+        causes = frozenset(Cause(c) for c in raw_causes) if raw_causes is not None else None
     except ValueError as exc:
-        raise PolicyError(
-            f"{where}: {exc}; valid causes: {', '.join(c.value for c in Cause)}"
-        ) from None
+        raise PolicyError(f"{where}: {exc}; valid causes: {valid_causes}") from None
     codes = match_raw.get("exit_codes")
-    if codes is not None and not all(isinstance(c, int) for c in codes):
-        raise PolicyError(f"{where}: exit_codes must be integers, found {codes!r}")
+    if codes is not None and not (_is_list(codes) and all(_is_int(c) for c in codes)):
+        raise PolicyError(f"{where}: exit_codes must be a list of integers, found {codes!r}")
     primary = match_raw.get("primary")
     if primary is not None and not isinstance(primary, bool):
         raise PolicyError(f"{where}: primary must be true or false, found {primary!r}")
@@ -283,6 +304,9 @@ def load_policy(path: str | os.PathLike[str]) -> Policy:
             data = json.load(f)
     except FileNotFoundError:
         raise PolicyError(f"restart policy file {os.fspath(path)!r} does not exist") from None
-    except json.JSONDecodeError as exc:
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise PolicyError(f"restart policy file {os.fspath(path)!r} is not valid JSON: {exc}") from None
+    except OSError as exc:
+        raise PolicyError(f"restart policy file {os.fspath(path)!r} cannot be read: "
+                          f"{exc.strerror or exc}") from None
     return policy_from_dict(data, source=os.fspath(path))

@@ -1,0 +1,629 @@
+"""End-to-end tests of the launcher with real worker processes (PLATFORM.md sections 1-7).
+
+Workers are the small scripts in tests/workers/. They write marker files into a
+per-test ready directory, and the tests wait on those files (never on a fixed sleep).
+Every test runs with its own quota ledger and a unique ``E2E_MARKER`` in the environment
+that every worker and grandchild inherits; after each test no live process may still
+carry that marker.
+
+Most jobs run in-process through ``resilient_train.cli.main`` (cheap: no interpreter
+start for the launcher). Tests that signal the launcher, or run two launchers at once,
+start it as a real ``python -m resilient_train.cli`` process.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import psutil
+import pytest
+
+from resilient_train import cli
+from resilient_train.launcher.record import read_job
+
+WORKERS = Path(__file__).resolve().parent / "workers"
+REPO = Path(__file__).resolve().parents[1]
+PY = sys.executable
+PRIMARY = "workerpool0-0"
+# A safety net: a job that hangs because of a launcher bug fails instead of hanging pytest.
+JOB_TIMEOUT = "90s"
+WAIT_S = 30.0        # generous: a loaded 2-core machine starts Python slowly
+ORPHAN_WAIT_S = 10.0
+
+STOCKOUT_MESSAGE = ("Resources are insufficient in region: local. Try a different region "
+                    "or use a different accelerator.")
+
+
+# --------------------------------------------------------------------------- helpers
+
+def wait_until(predicate: Callable[[], Any], what: str, timeout: float = WAIT_S) -> Any:
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout:g} s waiting for {what}")
+        time.sleep(0.02)
+
+
+def marked_processes(marker: str) -> list[psutil.Process]:
+    """Live processes (not zombies, not this one) whose environment carries the marker."""
+    found = []
+    for proc in psutil.process_iter():
+        if proc.pid == os.getpid():
+            continue
+        try:
+            if proc.status() == psutil.STATUS_ZOMBIE:
+                continue
+            if proc.environ().get("E2E_MARKER") == marker:
+                found.append(proc)
+        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+            continue
+    return found
+
+
+def describe(procs: list[psutil.Process]) -> str:
+    out = []
+    for p in procs:
+        try:
+            out.append(f"pid {p.pid} ppid {p.ppid()} {' '.join(p.cmdline())[:120]}")
+        except psutil.Error:
+            out.append(f"pid {p.pid} (gone)")
+    return "; ".join(out)
+
+
+@dataclass
+class E2E:
+    tmp: Path
+    marker: str
+    ready: Path
+    quota: Path
+    monkeypatch: pytest.MonkeyPatch
+    capsys: pytest.CaptureFixture[str]
+    _count: int = 0
+
+    def job_dir(self, name: str = "job") -> Path:
+        return self.tmp / "jobs" / name
+
+    def files(self, pattern: str) -> list[Path]:
+        return sorted(self.ready.glob(pattern))
+
+    def read(self, name: str) -> dict[str, Any]:
+        return json.loads((self.ready / name).read_text())
+
+    def wait_file(self, name: str, timeout: float = WAIT_S) -> dict[str, Any]:
+        wait_until(lambda: (self.ready / name).exists(), f"{name} in the ready directory",
+                   timeout)
+        return self.read(name)
+
+    def primary_waits_for(self, *patterns: str) -> None:
+        self.monkeypatch.setenv("E2E_PRIMARY_WAIT", ";".join(patterns))
+
+    def argv(self, args: list[str], script: str | list[str], script_args: list[str],
+             name: str) -> list[str]:
+        command = [PY, str(WORKERS / script), *script_args] if isinstance(script, str) else script
+        return ["launch", "--name", f"e2e-{name}-{self.marker[:6]}",
+                "--job-dir", str(self.job_dir(name)), "--timeout", JOB_TIMEOUT,
+                *args, "--", *command]
+
+    def launch(self, *args: str, script: str | list[str] = "hang.py",
+               script_args: tuple[str, ...] = (), name: str = "job"
+               ) -> tuple[int, dict[str, Any], str]:
+        """Run a job in-process through the CLI: (exit status, job.json, output)."""
+        status = cli.main(self.argv(list(args), script, list(script_args), name))
+        out = self.capsys.readouterr()
+        return status, read_job(self.job_dir(name)), out.out + out.err
+
+    def spawn(self, *args: str, script: str | list[str] = "hang.py",
+              script_args: tuple[str, ...] = (), name: str = "job") -> tuple[
+                  subprocess.Popen[bytes], Path]:
+        """Start the launcher as its own process; its output goes to a file."""
+        self._count += 1
+        out = self.tmp / f"launcher-{name}-{self._count}.out"
+        argv = [PY, "-m", "resilient_train.cli",
+                *self.argv(list(args), script, list(script_args), name)]
+        with open(out, "wb") as f:
+            proc = subprocess.Popen(argv, stdout=f, stderr=subprocess.STDOUT, cwd=REPO)
+        return proc, out
+
+
+@pytest.fixture
+def e2e(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> Iterator[E2E]:
+    marker = uuid.uuid4().hex
+    ready = tmp_path / "ready"
+    ready.mkdir()
+    quota = tmp_path / "quota"
+    monkeypatch.setenv("E2E_MARKER", marker)
+    monkeypatch.setenv("E2E_READY_DIR", str(ready))
+    monkeypatch.setenv("RESILIENT_TRAIN_QUOTA_DIR", str(quota))
+    monkeypatch.setenv("RESILIENT_TRAIN_GPUS", "none")
+    for var in ("E2E_PRIMARY_WAIT", "CUDA_VISIBLE_DEVICES", "TF_CONFIG", "CLUSTER_SPEC",
+                "RESILIENT_TRAIN_CPU_SLOTS"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(
+        [str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])]))
+    ctx = E2E(tmp_path, marker, ready, quota, monkeypatch, capsys)
+    yield ctx
+    # No orphans: nothing that inherited this test's marker may outlive the test.
+    try:
+        wait_until(lambda: not marked_processes(marker), "no process left with the marker",
+                   ORPHAN_WAIT_S)
+    except AssertionError:
+        left = marked_processes(marker)
+        text = describe(left)
+        for p in left:
+            try:
+                p.kill()
+            except psutil.Error:
+                pass
+        pytest.fail(f"orphans survived the job: {text}")
+
+
+def replica(record: dict[str, Any], name: str, attempt: int = 1) -> dict[str, Any]:
+    return record["attempts"][attempt - 1]["replicas"][name]
+
+
+def event_messages(record: dict[str, Any]) -> list[str]:
+    return [e["message"] for e in record["events"]]
+
+
+def event_time(record: dict[str, Any], fragment: str) -> float:
+    for e in record["events"]:
+        if fragment in e["message"]:
+            return float(e["elapsed_s"])
+    raise AssertionError(f"no event with {fragment!r} in {event_messages(record)}")
+
+
+def env_of(e2e: E2E, name: str, attempt: int = 1, restart: int = 0) -> dict[str, str]:
+    return e2e.read(f"{name}.a{attempt}.r{restart}.env")["env"]  # type: ignore[no-any-return]
+
+
+# --------------------------------------------------------------------------- environment
+
+def test_environment_of_a_three_replica_job(e2e: E2E) -> None:
+    e2e.monkeypatch.setenv("RESILIENT_TRAIN_GPUS", "4")
+    e2e.primary_waits_for("workerpool1-0.a1.r0.env", "workerpool1-1.a1.r0.env")
+    status, rec, _ = e2e.launch("--workers", "3", "--gpus-per-worker", "1",
+                                script="dump_env.py")
+    assert (status, rec["state"]) == (0, "JOB_STATE_SUCCEEDED")
+    names = [PRIMARY, "workerpool1-0", "workerpool1-1"]
+    envs = {n: env_of(e2e, n) for n in names}
+    job_dir = e2e.job_dir()
+    port = rec["job_spec"]["master_port"]
+    for rank, name in enumerate(names):
+        env = envs[name]
+        pool, index = name.rsplit("-", 1)
+        spec = json.loads(env["CLUSTER_SPEC"])
+        assert set(spec["cluster"]) == {"workerpool0", "workerpool1"}  # empty pools absent
+        assert len(spec["cluster"]["workerpool0"]) == 1
+        assert len(spec["cluster"]["workerpool1"]) == 2
+        assert spec["environment"] == "cloud"
+        assert spec["task"] == {"type": pool, "index": int(index), "trial": ""}
+        assert spec["job"]["job_id"] == rec["name"]
+        tf = json.loads(env["TF_CONFIG"])
+        assert set(tf["cluster"]) == {"chief", "worker"}
+        assert tf["cluster"]["chief"] == spec["cluster"]["workerpool0"]
+        assert tf["cluster"]["worker"] == spec["cluster"]["workerpool1"]
+        assert tf["task"]["type"] == ("chief" if rank == 0 else "worker")
+        assert tf["task"]["index"] == int(index)
+        assert (env["MASTER_ADDR"], env["MASTER_PORT"]) == ("127.0.0.1", str(port))
+        assert spec["cluster"]["workerpool0"] == [f"127.0.0.1:{port}"]
+        assert (env["RANK"], env["GROUP_RANK"], env["WORLD_SIZE"]) == (str(rank),) * 2 + ("3",)
+        assert env["LOCAL_RANK"] == "0"
+        assert env["CLOUD_ML_JOB_ID"] == rec["name"]
+        assert env["RESILIENT_TRAIN_REPLICA"] == name
+        for var, sub in (("AIP_MODEL_DIR", "model"), ("AIP_CHECKPOINT_DIR", "checkpoints"),
+                         ("AIP_TENSORBOARD_LOG_DIR", "logs")):
+            assert Path(env[var]).resolve() == (job_dir / "output" / sub).resolve()
+            assert env[var].endswith(f"/{sub}/")
+            assert os.path.isabs(env[var])  # a worker that changes directory still finds it
+        assert env["TORCHELASTIC_RESTART_COUNT"] == env["RESILIENT_TRAIN_RESTART_COUNT"] == "0"
+        assert env["E2E_MARKER"] == e2e.marker  # the user's environment passes through
+    gpus = [envs[n]["CUDA_VISIBLE_DEVICES"] for n in names]
+    assert sorted(gpus) == ["0", "1", "2"]  # one fake GPU each, disjoint
+
+
+def test_environment_of_explicit_pools_with_gs_output(e2e: E2E) -> None:
+    e2e.monkeypatch.setenv("RESILIENT_TRAIN_GPUS", "4")  # GPUs exist, the job asks for none
+    names = [PRIMARY, "workerpool1-0", "workerpool1-1", "workerpool2-0", "workerpool3-0"]
+    e2e.primary_waits_for(*(f"{n}.a1.r0.env" for n in names[1:]))
+    status, rec, _ = e2e.launch(
+        "--pool", "workerpool0=1", "--pool", "workerpool1=2", "--pool", "workerpool2=1",
+        "--pool", "workerpool3=1", "--output-dir", "gs://e2e-bucket/run-7/",
+        script="dump_env.py")
+    assert (status, rec["state"]) == (0, "JOB_STATE_SUCCEEDED")
+    assert rec["replicas"] == names
+    for name in names:
+        env = env_of(e2e, name)
+        spec = json.loads(env["CLUSTER_SPEC"])
+        assert set(spec["cluster"]) == {"workerpool0", "workerpool1", "workerpool2",
+                                        "workerpool3"}
+        tf = json.loads(env["TF_CONFIG"])
+        assert set(tf["cluster"]) == {"chief", "worker", "ps"}  # never "evaluator"
+        assert env["AIP_MODEL_DIR"] == "gs://e2e-bucket/run-7/model/"
+        assert env["AIP_CHECKPOINT_DIR"] == "gs://e2e-bucket/run-7/checkpoints/"
+        assert env["AIP_TENSORBOARD_LOG_DIR"] == "gs://e2e-bucket/run-7/logs/"
+        assert env["WORLD_SIZE"] == "3"  # pools 0 and 1 train
+        assert env["CUDA_VISIBLE_DEVICES"] == ""  # no accelerators asked: none visible
+    assert [env_of(e2e, n).get("RANK") for n in names] == ["0", "1", "2", None, None]
+    assert json.loads(env_of(e2e, "workerpool3-0")["TF_CONFIG"])["task"]["type"] == "evaluator"
+    assert json.loads(env_of(e2e, "workerpool2-0")["TF_CONFIG"])["task"]["type"] == "ps"
+
+
+def test_environment_of_a_single_replica_job(e2e: E2E) -> None:
+    e2e.monkeypatch.setenv("RESILIENT_TRAIN_GPUS", "4")
+    status, rec, _ = e2e.launch("--gpus-per-worker", "4", script=[
+        PY, "-c", "import os, json, sys; sys.path.insert(0, os.environ['E2E_WORKERS']); "
+        "import _common; _common.mark('env', env=dict(os.environ))"],
+        name="single")
+    assert (status, rec["state"]) == (0, "JOB_STATE_SUCCEEDED")
+    env = env_of(e2e, PRIMARY)
+    assert "TF_CONFIG" not in env  # single-replica jobs get none
+    assert json.loads(env["CLUSTER_SPEC"])["cluster"] == {
+        "workerpool0": [f"127.0.0.1:{rec['job_spec']['master_port']}"]}
+    assert (env["RANK"], env["WORLD_SIZE"]) == ("0", "1")
+    assert env["CUDA_VISIBLE_DEVICES"] == "0,1,2,3"
+
+
+@pytest.fixture(autouse=True)
+def _workers_dir(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("E2E_WORKERS", str(WORKERS))
+
+
+def test_kill_chaos_restarts_the_worker_with_rising_restart_count(e2e: E2E) -> None:
+    e2e.primary_waits_for("workerpool1-0.a1.r2.env")
+    status, rec, out = e2e.launch("--workers", "2",
+                                  "--chaos", "kill:workerpool1-0@0.5s,kill:1@1.2s",
+                                  script="dump_env.py")
+    assert (status, rec["state"], rec["error"]) == (0, "JOB_STATE_SUCCEEDED", None)
+    assert len(rec["attempts"]) == 1
+    killed = replica(rec, "workerpool1-0")
+    assert killed["restarts"] == 2 and killed["uncounted_restarts"] == 0
+    assert killed["exit_codes"][:2] == [137, 137]
+    assert replica(rec, PRIMARY) == {"status": "exited", "restarts": 0,
+                                     "uncounted_restarts": 0, "exit_codes": [0]}
+    messages = event_messages(rec)
+    assert messages.count("chaos: kill on workerpool1-0") == 2
+    assert "workerpool1-0: exited with status 137 (node_loss)" in messages
+    assert "workerpool1-0: restarting (restart 2 in this job)" in messages
+    assert rec["budgets"]["worker_restarts"]["used"] == 2
+    # Each life sees its own restart count; the replica keeps its name and rank.
+    lives = e2e.files("workerpool1-0.a1.r*.env")
+    assert "workerpool1-0.a1.r2.env" in [p.name for p in lives]
+    for path in lives:
+        env = json.loads(path.read_text())["env"]
+        restart = path.name.split(".")[2][1:]
+        assert env["TORCHELASTIC_RESTART_COUNT"] == env["RESILIENT_TRAIN_RESTART_COUNT"] == restart
+        assert (env["RANK"], env["RESILIENT_TRAIN_REPLICA"]) == ("1", "workerpool1-0")
+    assert [p.name for p in e2e.files("workerpool0-0.*.env")] == ["workerpool0-0.a1.r0.env"]
+    assert "chaos: kill on workerpool1-0" in out
+
+
+# --------------------------------------------------------------------------- outcomes
+
+def test_primary_success_stops_a_hanging_worker(e2e: E2E) -> None:
+    e2e.primary_waits_for("workerpool1-0.a1.r0.ready")
+    status, rec, _ = e2e.launch("--workers", "2", script="hang.py")
+    assert (status, rec["state"], rec["error"], rec["exit_status"]) == (
+        0, "JOB_STATE_SUCCEEDED", None, 0)
+    assert replica(rec, PRIMARY)["exit_codes"] == [0]
+    assert replica(rec, "workerpool1-0") == {"status": "stopped", "restarts": 0,
+                                             "uncounted_restarts": 0, "exit_codes": [143]}
+    assert "stopping workerpool1-0 (succeeded)" in event_messages(rec)
+    assert rec["attempts"][0]["result"] == "succeeded"
+    assert rec["start_time"] and rec["end_time"]
+
+
+def test_a_bug_fails_the_job_at_once_with_the_traceback(e2e: E2E) -> None:
+    status, rec, _ = e2e.launch("--workers", "2", script="raise_bug.py",
+                                script_args=("workerpool1-0",))
+    assert (status, rec["state"]) == (1, "JOB_STATE_FAILED")
+    assert rec["error"]["code"] == 3
+    first, *excerpt = rec["error"]["message"].splitlines()
+    assert first == ("The replica workerpool1-0 exited with a non-zero status of 1. "
+                     "Termination reason: Error.")
+    assert excerpt[0].startswith("Traceback (most recent call last)")
+    assert excerpt[-1] == "ValueError: e2e bug: learning rate 'fast' is not a number"
+    assert any("load_config" in line for line in excerpt)
+    assert len(rec["attempts"]) == 1
+    assert replica(rec, "workerpool1-0")["exit_codes"] == [1]
+    assert replica(rec, "workerpool1-0")["restarts"] == 0
+    assert replica(rec, PRIMARY)["status"] == "stopped"
+    assert rec["budgets"]["job_retries"]["used"] == 0
+    assert rec["attempts"][0]["result"] == "failed: 8-user-code-error"
+
+
+def test_exit_134_retries_the_job_three_times_then_fails(e2e: E2E) -> None:
+    status, rec, _ = e2e.launch(script="exit_code.py", script_args=("134",))
+    assert (status, rec["state"]) == (134, "JOB_STATE_FAILED")
+    assert rec["error"] == {
+        "code": 3, "message": "The replica workerpool0-0 exited with a non-zero status of "
+                              "134. Termination reason: Error."}
+    assert [a["attempt"] for a in rec["attempts"]] == [1, 2, 3, 4]
+    assert [a["result"] for a in rec["attempts"]] == [
+        "retry: 4-transient-exit-code"] * 3 + ["failed: 4-transient-exit-code"]
+    assert all(a["replicas"][PRIMARY]["exit_codes"] == [134] for a in rec["attempts"])
+    assert rec["budgets"]["job_retries"] == {"limit": 3, "scope": "job", "used": 3}
+    # Each attempt ran the user's code afresh.
+    assert [p.name for p in e2e.files("workerpool0-0.a*.ready")] == [
+        f"workerpool0-0.a{i}.r0.ready" for i in (1, 2, 3, 4)]
+
+
+@pytest.mark.parametrize("kind", ["missing", "not-executable"])
+def test_a_command_that_cannot_start_is_a_start_error(e2e: E2E, kind: str) -> None:
+    if kind == "missing":
+        command = str(e2e.tmp / "no-such-trainer")
+        reason = "No such file or directory"
+    else:
+        command = str(e2e.tmp / "train.sh")
+        Path(command).write_text("#!/bin/sh\nexit 0\n")
+        reason = "Permission denied"
+    status, rec, out = e2e.launch(script=[command, "--lr", "1"])
+    assert (status, rec["state"]) == (128, "JOB_STATE_FAILED")
+    assert rec["error"] == {
+        "code": 3,
+        "message": "The replica workerpool0-0 exited with a non-zero status of 128. "
+                   f"Termination reason: StartError.\ncannot start {command!r}: {reason}"}
+    assert len(rec["attempts"]) == 1
+    assert f"cannot start {command!r}" in out
+
+
+def test_maintenance_restarts_the_worker_without_counting(e2e: E2E) -> None:
+    e2e.primary_waits_for("workerpool1-0.a1.r1.ready")
+    status, rec, _ = e2e.launch("--workers", "2", "--chaos", "maintenance:workerpool1-0@0.3s/2s",
+                                script="hang.py")
+    assert (status, rec["state"]) == (0, "JOB_STATE_SUCCEEDED")
+    r = replica(rec, "workerpool1-0")
+    assert (r["restarts"], r["uncounted_restarts"]) == (0, 1)
+    assert r["exit_codes"][0] == 143  # SIGTERM first, as a VM shutdown does
+    assert rec["budgets"]["worker_restarts"]["used"] == 0
+    assert "workerpool1-0: restart_worker (7-maintenance)" in event_messages(rec)
+
+
+def test_real_allocation_over_the_memory_limit_is_oom(e2e: E2E) -> None:
+    status, rec, _ = e2e.launch("--memory-limit", "200MiB", script="alloc.py",
+                                script_args=("512",))
+    assert (status, rec["state"]) == (137, "JOB_STATE_FAILED")
+    assert rec["error"] == {
+        "code": 3, "message": "The replica workerpool0-0 ran out of memory and exited with a "
+                              "non-zero status of 137."}
+    assert any("workerpool0-0: out of memory" in m and "limit 200 MiB" in m
+               for m in event_messages(rec))
+    assert len(rec["attempts"]) == 1  # permanent: no retry
+    assert not e2e.files("*.allocated")  # killed before it could hold 512 MiB
+
+
+def test_timeout_stops_a_hanging_job(e2e: E2E) -> None:
+    status, rec, _ = e2e.launch("--timeout", "2s", script="hang.py")
+    assert (status, rec["state"]) == (124, "JOB_STATE_FAILED")
+    assert rec["error"] == {"code": 4,
+                            "message": "The job ran longer than its timeout of 2 s and was stopped."}
+    assert 2.0 <= event_time(rec, "timeout of 2 s reached") - event_time(
+        rec, "JOB_STATE_RUNNING") < 4.0
+
+
+def test_a_worker_ignoring_sigterm_is_killed_after_the_grace_period(e2e: E2E) -> None:
+    e2e.primary_waits_for("workerpool1-0.a1.r0.ready")
+    status, rec, out = e2e.launch("--workers", "2", "--grace", "0.7s", script="ignore_term.py")
+    assert (status, rec["state"]) == (0, "JOB_STATE_SUCCEEDED")
+    assert replica(rec, "workerpool1-0")["exit_codes"] == [137]
+    waited = event_time(rec, "workerpool1-0: stopped") - event_time(rec, "stopping workerpool1-0")
+    assert 0.6 <= waited < 5.0
+    assert "[launcher] workerpool1-0: grace period over, SIGKILL" in out
+
+
+@pytest.mark.parametrize("setsid", [False, True], ids=["same-group", "own-session"])
+def test_a_grandchild_ignoring_sigterm_is_killed(e2e: E2E, setsid: bool) -> None:
+    e2e.primary_waits_for("workerpool1-0.a1.r0.parent")
+    status, rec, _ = e2e.launch("--workers", "2", "--grace", "0.5s",
+                                script="grandchild_ignores_term.py",
+                                script_args=("--setsid",) if setsid else ())
+    assert (status, rec["state"]) == (0, "JOB_STATE_SUCCEEDED")
+    grandchild = e2e.read("workerpool1-0.a1.r0.grandchild")["pid"]
+    assert not psutil.pid_exists(grandchild) or psutil.Process(grandchild).status() == \
+        psutil.STATUS_ZOMBIE or psutil.Process(grandchild).environ().get(
+            "E2E_MARKER") != e2e.marker
+    # (the fixture also checks that nothing with this test's marker is left)
+
+
+# --------------------------------------------------------------------------- the launcher process
+
+def test_sigint_cancels_the_job(e2e: E2E) -> None:
+    proc, out = e2e.spawn("--workers", "2", "--grace", "2s", script="hang.py")
+    try:
+        e2e.wait_file("workerpool0-0.a1.r0.ready")
+        e2e.wait_file("workerpool1-0.a1.r0.ready")
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=WAIT_S) == 130
+    finally:
+        proc.kill()
+        proc.wait()
+    rec = read_job(e2e.job_dir())
+    assert rec["state"] == "JOB_STATE_CANCELLED"
+    assert rec["error"] == {"code": 1, "message": "The job was cancelled."}
+    assert "JOB_STATE_CANCELLING" in " ".join(event_messages(rec))
+    assert replica(rec, PRIMARY)["status"] == "stopped"
+    assert "SIGINT: cancelling the job" in out.read_text()
+
+
+@pytest.mark.parametrize("setsid", [False, True], ids=["same-group", "own-session"])
+def test_sigkilled_launcher_leaves_no_workers(e2e: E2E, setsid: bool) -> None:
+    proc, _ = e2e.spawn("--workers", "2", script="grandchild_ignores_term.py",
+                        script_args=("--setsid",) if setsid else ())
+    try:
+        e2e.wait_file("workerpool0-0.a1.r0.parent")
+        e2e.wait_file("workerpool1-0.a1.r0.parent")
+        assert len(marked_processes(e2e.marker)) >= 4  # two workers, two grandchildren
+        proc.kill()
+        proc.wait(timeout=WAIT_S)
+    finally:
+        proc.kill()
+        proc.wait()
+    # The fixture waits (with a deadline) until no process with the marker is left.
+
+
+# --------------------------------------------------------------------------- quota
+
+def test_a_job_waits_in_queued_while_another_holds_the_gpus(e2e: E2E) -> None:
+    e2e.monkeypatch.setenv("RESILIENT_TRAIN_GPUS", "4")
+    # Job A takes all four GPUs; its primary finishes once the test drops "release".
+    holder, _ = e2e.spawn("--gpus-per-worker", "4", name="holder", script=[
+        PY, "-c", "import os, sys; sys.path.insert(0, os.environ['E2E_WORKERS']); "
+        "import _common; _common.mark(); _common.wait_for(['release'])"])
+    waiter = None
+    try:
+        e2e.wait_file("workerpool0-0.a1.r0.ready")
+        e2e.primary_waits_for("workerpool1-0.a1.r0.env")
+        waiter, waiter_out = e2e.spawn("--workers", "2", "--gpus-per-worker", "2",
+                                       name="waiter", script="dump_env.py")
+        wait_until(lambda: "queued: the quota is in use by" in waiter_out.read_text(),
+                   "the second job to report that it is queued")
+        rec = read_job(e2e.job_dir("waiter"))
+        assert rec["state"] == "JOB_STATE_QUEUED" and rec["attempts"] == []
+        assert "e2e-holder" in waiter_out.read_text()
+        (e2e.ready / "release").write_text("")
+        assert holder.wait(timeout=WAIT_S) == 0
+        # Job B then runs: both its replicas start with the freed GPUs.
+        env0 = e2e.wait_file("workerpool0-0.a1.r0.env")["env"]
+        env1 = e2e.wait_file("workerpool1-0.a1.r0.env")["env"]
+        assert {env0["CUDA_VISIBLE_DEVICES"], env1["CUDA_VISIBLE_DEVICES"]} == {"0,1", "2,3"}
+        assert waiter.wait(timeout=WAIT_S) == 0
+    finally:
+        for p in (holder, waiter):
+            if p is not None:
+                p.kill()
+                p.wait()
+    rec = read_job(e2e.job_dir("waiter"))
+    states = [e["state"] for e in rec["events"] if e["kind"] == "state"]
+    assert states[:3] == ["JOB_STATE_QUEUED", "JOB_STATE_PENDING", "JOB_STATE_RUNNING"]
+    assert read_job(e2e.job_dir("holder"))["end_time"] <= rec["attempts"][0]["start_time"]
+
+
+def test_more_gpus_than_exist_is_a_stockout_after_retries(e2e: E2E) -> None:
+    e2e.monkeypatch.setenv("RESILIENT_TRAIN_GPUS", "4")
+    status, rec, _ = e2e.launch("--workers", "2", "--gpus-per-worker", "4", script="hang.py")
+    assert (status, rec["state"]) == (69, "JOB_STATE_FAILED")
+    assert rec["error"] == {"code": 8, "message": STOCKOUT_MESSAGE}
+    assert rec["budgets"]["job_retries"]["used"] == 3
+    assert not e2e.files("*.ready")  # no worker ever started
+
+
+def test_flex_start_waits_for_capacity_then_fails(e2e: E2E) -> None:
+    e2e.monkeypatch.setenv("RESILIENT_TRAIN_GPUS", "4")
+    started = time.monotonic()
+    status, rec, _ = e2e.launch("--gpus-per-worker", "8", "--strategy", "flex-start",
+                                "--max-wait", "1s", script="hang.py")
+    assert time.monotonic() - started >= 1.0
+    assert (status, rec["state"]) == (69, "JOB_STATE_FAILED")
+    assert rec["error"] == {"code": 8, "message": STOCKOUT_MESSAGE}
+    assert 1.0 <= event_time(rec, "JOB_STATE_FAILED") < 5.0
+    assert not e2e.files("*.ready")
+
+
+# --------------------------------------------------------------------------- bad input
+
+def _bad(e2e: E2E, tmp: Path, case: str) -> tuple[list[str], str]:
+    job = str(tmp / "bad-job")
+    if case == "chaos-kind":
+        return ["--chaos", "explode@1s", "--job-dir", job], "unknown fault kind 'explode'"
+    if case == "chaos-target":
+        return (["--workers", "2", "--chaos", "kill:workerpool1-5@1s", "--job-dir", job],
+                "workerpool1-5")
+    if case == "chaos-rank":
+        return ["--workers", "2", "--chaos", "kill:7@1s", "--job-dir", job], "rank 7"
+    if case == "job-dir-under-file":
+        (tmp / "plain-file").write_text("")
+        return ["--job-dir", str(tmp / "plain-file" / "job")], "cannot write the job directory"
+    if case == "job-dir-taken":
+        (tmp / "taken").mkdir()
+        (tmp / "taken" / "job.json").write_text("{}")
+        return ["--job-dir", str(tmp / "taken")], "already holds a job (job.json)"
+    if case == "policy-action":
+        policy = tmp / "policy.json"
+        policy.write_text(json.dumps({"rules": [{"match": {"exit_codes": [1]},
+                                                 "actions": ["explode"]}]}))
+        return ["--policy", str(policy), "--job-dir", job], "unknown action 'explode'"
+    if case == "policy-missing":
+        return (["--policy", str(tmp / "nope.json"), "--job-dir", job],
+                "nope.json' does not exist")
+    if case == "workers-0":
+        return ["--workers", "0", "--job-dir", job], "--workers must be at least 1, found 0"
+    if case == "pool-without-primary":
+        return (["--pool", "workerpool1=2", "--job-dir", job],
+                "workerpool0 must have exactly one replica")
+    if case == "workers-and-pool":
+        return (["--workers", "2", "--pool", "workerpool0=1", "--job-dir", job],
+                "either --workers or --pool")
+    raise AssertionError(case)
+
+
+@pytest.mark.parametrize("case", [
+    "chaos-kind", "chaos-target", "chaos-rank", "job-dir-under-file", "job-dir-taken",
+    "policy-action", "policy-missing", "workers-0", "pool-without-primary", "workers-and-pool"])
+def test_bad_input_is_a_clear_usage_error(e2e: E2E, case: str) -> None:
+    args, fragment = _bad(e2e, e2e.tmp, case)
+    status = cli.main(["launch", *args, "--", PY, str(WORKERS / "hang.py")])
+    out = e2e.capsys.readouterr()
+    assert status == 2
+    assert out.err.startswith("resilient-train launch: error: ")
+    assert fragment in out.err
+    assert not e2e.files("*.ready")  # nothing ran
+    if case != "job-dir-taken":
+        assert not (e2e.tmp / "bad-job" / "job.json").exists()
+
+
+@pytest.mark.parametrize("pool", ["workerpool1", "workerpool9=1", "pool0=1", "workerpool1=x"])
+def test_malformed_pool_is_a_usage_error(e2e: E2E, pool: str) -> None:
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["launch", "--pool", pool, "--job-dir", str(e2e.tmp / "j"), "--", "true"])
+    assert exc.value.code == 2
+    err = e2e.capsys.readouterr().err
+    assert "expected POOL=COUNT" in err and repr(pool) in err
+
+
+def test_bad_input_through_the_real_cli_process(e2e: E2E) -> None:
+    result = subprocess.run(
+        [PY, "-m", "resilient_train.cli", "launch", "--chaos", "kill:workerpool3-0@1s",
+         "--job-dir", str(e2e.tmp / "j"), "--", PY, "-c", "pass"],
+        capture_output=True, text=True, timeout=WAIT_S, cwd=REPO)
+    assert result.returncode == 2
+    assert "workerpool3-0" in result.stderr and "Traceback" not in result.stderr
+
+
+# --------------------------------------------------------------------------- status
+
+def test_status_prints_state_attempts_and_error(e2e: E2E) -> None:
+    status, _, _ = e2e.launch("--workers", "2", script="exit_code.py",
+                              script_args=("3", "workerpool1-0"))
+    assert status == 3
+    result = subprocess.run([PY, "-m", "resilient_train.cli", "status", str(e2e.job_dir())],
+                            capture_output=True, text=True, timeout=WAIT_S, cwd=REPO)
+    assert result.returncode == 0, result.stderr
+    text = result.stdout
+    assert "state     JOB_STATE_FAILED" in text
+    assert ("error     code 3: The replica workerpool1-0 exited with a non-zero status of 3. "
+            "Termination reason: Error.") in text
+    assert "attempt 1:" in text and "failed: 8-user-code-error" in text
+    assert "workerpool1-0" in text and "exit codes 3" in text
+    assert cli.main(["status", "--json", str(e2e.job_dir())]) == 0
+    assert json.loads(e2e.capsys.readouterr().out)["state"] == "JOB_STATE_FAILED"
+
+
+def test_status_of_a_missing_job_dir_fails_clearly(e2e: E2E) -> None:
+    missing = e2e.tmp / "never-ran"
+    assert cli.main(["status", str(missing)]) == 2
+    err = e2e.capsys.readouterr().err
+    assert err.startswith("resilient-train status: error: no job record at ")
+    assert str(missing) in err
