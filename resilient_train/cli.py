@@ -13,10 +13,11 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from .launcher.chaos import ChaosSpecError, load_chaos, parse_duration
+from .launcher.messages import STATUS_INTERNAL
 from .launcher.policy import PolicyError, Strategy, default_policy, load_policy, without_retries
 from .launcher.record import read_job
 from .launcher.resources import memory_limit_for, parse_memory
-from .launcher.runner import LaunchError, LaunchOptions, Launcher
+from .launcher.runner import Launcher, LaunchError, LaunchOptions
 
 EXIT_USAGE = 2
 
@@ -118,7 +119,12 @@ def _launch(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         print(f"resilient-train launch: error: {exc}", file=sys.stderr)
         return EXIT_USAGE
     print(f"job {options.job_name}: directory {options.job_dir}", flush=True)
-    status = launcher.run()
+    try:
+        status = launcher.run()
+    except Exception as exc:  # noqa: BLE001 - the launcher failed; it logged the traceback
+        print(f"resilient-train launch: internal error: {exc!r}; its workers were stopped "
+              f"and the job record says FAILED", file=sys.stderr)
+        status = STATUS_INTERNAL
     record = launcher.machine
     line = f"job {options.job_name}: {record.state.value}"
     if record.error is not None:

@@ -29,6 +29,7 @@ import psutil
 import pytest
 
 from resilient_train import cli
+from resilient_train.launcher import runner
 from resilient_train.launcher.record import read_job
 
 WORKERS = Path(__file__).resolve().parent / "workers"
@@ -71,6 +72,13 @@ def marked_processes(marker: str) -> list[psutil.Process]:
         except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
             continue
     return found
+
+
+def alive(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
 
 
 def describe(procs: list[psutil.Process]) -> str:
@@ -264,12 +272,20 @@ def test_environment_of_explicit_pools_with_gs_output(e2e: E2E) -> None:
 
 def test_environment_of_a_single_replica_job(e2e: E2E) -> None:
     e2e.monkeypatch.setenv("RESILIENT_TRAIN_GPUS", "4")
-    status, rec, _ = e2e.launch("--gpus-per-worker", "4", script=[
-        PY, "-c", "import os, json, sys; sys.path.insert(0, os.environ['E2E_WORKERS']); "
-        "import _common; _common.mark('env', env=dict(os.environ))"],
-        name="single")
+    e2e.monkeypatch.chdir(e2e.tmp)   # and a relative --job-dir
+    code = ("import os, json, sys; sys.path.insert(0, os.environ['E2E_WORKERS']); "
+            "os.chdir('/'); import _common; _common.mark('env', env=dict(os.environ))")
+    status = cli.main(["launch", "--job-dir", "jobs/rel", "--gpus-per-worker", "4", "--", PY,
+                       "-c", code])
+    e2e.capsys.readouterr()
+    rec = read_job(e2e.tmp / "jobs" / "rel")
     assert (status, rec["state"]) == (0, "JOB_STATE_SUCCEEDED")
     env = env_of(e2e, PRIMARY)
+    # Local paths are absolute, so a worker that changes directory still finds them.
+    assert env["AIP_CHECKPOINT_DIR"].endswith("/checkpoints/")
+    job_dir = (e2e.tmp / "jobs" / "rel").resolve()
+    assert Path(env["AIP_CHECKPOINT_DIR"]) == job_dir / "output" / "checkpoints"
+    assert Path(env["RESILIENT_TRAIN_JOB_DIR"]) == job_dir
     assert "TF_CONFIG" not in env  # single-replica jobs get none
     assert json.loads(env["CLUSTER_SPEC"])["cluster"] == {
         "workerpool0": [f"127.0.0.1:{rec['job_spec']['master_port']}"]}
@@ -356,9 +372,10 @@ def test_exit_134_retries_the_job_three_times_then_fails(e2e: E2E) -> None:
         "retry: 4-transient-exit-code"] * 3 + ["failed: 4-transient-exit-code"]
     assert all(a["replicas"][PRIMARY]["exit_codes"] == [134] for a in rec["attempts"])
     assert rec["budgets"]["job_retries"] == {"limit": 3, "scope": "job", "used": 3}
-    # Each attempt ran the user's code afresh.
+    # Each attempt ran the user's code afresh; as under torchrun, a whole-job retry
+    # counts as a restart too (TORCHELASTIC_RESTART_COUNT rises with every new life).
     assert [p.name for p in e2e.files("workerpool0-0.a*.ready")] == [
-        f"workerpool0-0.a{i}.r0.ready" for i in (1, 2, 3, 4)]
+        f"workerpool0-0.a{i}.r{i - 1}.ready" for i in (1, 2, 3, 4)]
 
 
 @pytest.mark.parametrize("kind", ["missing", "not-executable"])
@@ -431,11 +448,47 @@ def test_a_grandchild_ignoring_sigterm_is_killed(e2e: E2E, setsid: bool) -> None
                                 script="grandchild_ignores_term.py",
                                 script_args=("--setsid",) if setsid else ())
     assert (status, rec["state"]) == (0, "JOB_STATE_SUCCEEDED")
-    grandchild = e2e.read("workerpool1-0.a1.r0.grandchild")["pid"]
-    assert not psutil.pid_exists(grandchild) or psutil.Process(grandchild).status() == \
-        psutil.STATUS_ZOMBIE or psutil.Process(grandchild).environ().get(
-            "E2E_MARKER") != e2e.marker
+    assert not alive(e2e.read("workerpool1-0.a1.r0.grandchild")["pid"])
     # (the fixture also checks that nothing with this test's marker is left)
+
+
+def test_a_daemon_left_by_a_finished_worker_dies_with_that_worker_life(e2e: E2E) -> None:
+    """A worker exits 0 (done) leaving a grandchild in its own session: like a container's
+    processes, it must not outlive its worker, not just the job."""
+    e2e.primary_waits_for("release")
+    proc, _ = e2e.spawn("--workers", "2", script="grandchild_ignores_term.py",
+                        script_args=("--setsid", "--exit", "0"))
+    try:
+        grandchild = e2e.wait_file("workerpool1-0.a1.r0.grandchild")["pid"]
+        wait_until(lambda: not alive(grandchild),
+                   "the finished worker's daemon to be killed")
+        assert proc.poll() is None  # the job is still running
+        (e2e.ready / "release").write_text("")
+        assert proc.wait(timeout=WAIT_S) == 0
+    finally:
+        proc.kill()
+        proc.wait()
+    rec = read_job(e2e.job_dir())
+    assert replica(rec, "workerpool1-0") == {"status": "done", "restarts": 0,
+                                             "uncounted_restarts": 0, "exit_codes": [0]}
+
+
+def test_a_launcher_failure_stops_the_workers_and_records_an_internal_error(
+        e2e: E2E, monkeypatch: pytest.MonkeyPatch) -> None:
+    original = runner.Launcher._inject_faults
+
+    def broken(self: runner.Launcher, now: float) -> None:
+        if e2e.files("*.parent") and len(e2e.files("*.parent")) == 2:
+            raise RuntimeError("e2e: the launcher broke")
+        original(self, now)
+
+    monkeypatch.setattr(runner.Launcher, "_inject_faults", broken)
+    status, rec, out = e2e.launch("--workers", "2", script="grandchild_ignores_term.py")
+    assert (status, rec["state"]) == (70, "JOB_STATE_FAILED")
+    assert rec["error"] == {"code": 13,
+                            "message": "Internal error occurred for the current attempt."}
+    assert "internal error: RuntimeError('e2e: the launcher broke')" in out
+    # (the fixture checks that the workers and their grandchildren are gone)
 
 
 # --------------------------------------------------------------------------- the launcher process
@@ -479,9 +532,9 @@ def test_sigkilled_launcher_leaves_no_workers(e2e: E2E, setsid: bool) -> None:
 def test_a_job_waits_in_queued_while_another_holds_the_gpus(e2e: E2E) -> None:
     e2e.monkeypatch.setenv("RESILIENT_TRAIN_GPUS", "4")
     # Job A takes all four GPUs; its primary finishes once the test drops "release".
-    holder, _ = e2e.spawn("--gpus-per-worker", "4", name="holder", script=[
-        PY, "-c", "import os, sys; sys.path.insert(0, os.environ['E2E_WORKERS']); "
-        "import _common; _common.mark(); _common.wait_for(['release'])"])
+    code = ("import os, sys; sys.path.insert(0, os.environ['E2E_WORKERS']); "
+            "import _common; _common.mark(); _common.wait_for(['release'])")
+    holder, _ = e2e.spawn("--gpus-per-worker", "4", name="holder", script=[PY, "-c", code])
     waiter = None
     try:
         e2e.wait_file("workerpool0-0.a1.r0.ready")
@@ -563,6 +616,12 @@ def _bad(e2e: E2E, tmp: Path, case: str) -> tuple[list[str], str]:
     if case == "pool-without-primary":
         return (["--pool", "workerpool1=2", "--job-dir", job],
                 "workerpool0 must have exactly one replica")
+    if case == "quota-dir-under-file":
+        (tmp / "plain-file").write_text("")
+        e2e.monkeypatch.setenv("RESILIENT_TRAIN_QUOTA_DIR", str(tmp / "plain-file" / "quota"))
+        return ["--job-dir", job], "cannot use the quota directory"
+    if case == "negative-gpus":
+        return ["--gpus-per-worker", "-1", "--job-dir", job], "non-negative"
     if case == "workers-and-pool":
         return (["--workers", "2", "--pool", "workerpool0=1", "--job-dir", job],
                 "either --workers or --pool")
@@ -571,7 +630,8 @@ def _bad(e2e: E2E, tmp: Path, case: str) -> tuple[list[str], str]:
 
 @pytest.mark.parametrize("case", [
     "chaos-kind", "chaos-target", "chaos-rank", "job-dir-under-file", "job-dir-taken",
-    "policy-action", "policy-missing", "workers-0", "pool-without-primary", "workers-and-pool"])
+    "policy-action", "policy-missing", "workers-0", "pool-without-primary", "workers-and-pool",
+    "quota-dir-under-file", "negative-gpus"])
 def test_bad_input_is_a_clear_usage_error(e2e: E2E, case: str) -> None:
     args, fragment = _bad(e2e, e2e.tmp, case)
     status = cli.main(["launch", *args, "--", PY, str(WORKERS / "hang.py")])
@@ -580,8 +640,7 @@ def test_bad_input_is_a_clear_usage_error(e2e: E2E, case: str) -> None:
     assert out.err.startswith("resilient-train launch: error: ")
     assert fragment in out.err
     assert not e2e.files("*.ready")  # nothing ran
-    if case != "job-dir-taken":
-        assert not (e2e.tmp / "bad-job" / "job.json").exists()
+    assert not (e2e.tmp / "bad-job").exists()  # a refused job leaves no directory behind
 
 
 @pytest.mark.parametrize("pool", ["workerpool1", "workerpool9=1", "pool0=1", "workerpool1=x"])
@@ -597,7 +656,7 @@ def test_bad_input_through_the_real_cli_process(e2e: E2E) -> None:
     result = subprocess.run(
         [PY, "-m", "resilient_train.cli", "launch", "--chaos", "kill:workerpool3-0@1s",
          "--job-dir", str(e2e.tmp / "j"), "--", PY, "-c", "pass"],
-        capture_output=True, text=True, timeout=WAIT_S, cwd=REPO)
+        capture_output=True, text=True, timeout=WAIT_S, cwd=REPO, check=False)
     assert result.returncode == 2
     assert "workerpool3-0" in result.stderr and "Traceback" not in result.stderr
 
@@ -609,7 +668,7 @@ def test_status_prints_state_attempts_and_error(e2e: E2E) -> None:
                               script_args=("3", "workerpool1-0"))
     assert status == 3
     result = subprocess.run([PY, "-m", "resilient_train.cli", "status", str(e2e.job_dir())],
-                            capture_output=True, text=True, timeout=WAIT_S, cwd=REPO)
+                            capture_output=True, text=True, timeout=WAIT_S, cwd=REPO, check=False)
     assert result.returncode == 0, result.stderr
     text = result.stdout
     assert "state     JOB_STATE_FAILED" in text

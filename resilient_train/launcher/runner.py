@@ -19,6 +19,7 @@ import subprocess
 import sys
 import threading
 import time
+import uuid
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -41,8 +42,8 @@ from .messages import STATUS_INTERNAL, JobState
 from .policy import Cause, Policy, Strategy, default_policy
 from .quota import Capacity, Lease, LocalQuota, Request, default_quota_dir
 from .record import JOB_FILE, log_path, report_path, write_json_atomic
-from .resources import detect_gpus, process_tree, process_tree_rss
-from .workerenv import JobEnv, Replica, replicas_for, worker_env
+from .resources import detect_gpus, process_tree
+from .workerenv import LAUNCH_ID_ENV, JobEnv, Replica, replicas_for, worker_env
 
 log = logging.getLogger(__name__)
 
@@ -54,6 +55,11 @@ _FAULT_CAUSE = {
     FaultKind.STOCKOUT: Cause.STOCKOUT,
     FaultKind.INTERNAL: Cause.INTERNAL,
 }
+
+
+# How often the memory check re-discovers a worker's descendants (new children count
+# from then on; the worker process itself is always measured at every poll).
+_TREE_REFRESH_S = 1.0
 
 
 class LaunchError(Exception):
@@ -100,6 +106,8 @@ class _Worker:
         self.kill_at: float | None = None    # SIGKILL deadline after a SIGTERM
         self.tree: list[psutil.Process] = []
         self.tail: collections.deque[str] = collections.deque(maxlen=40)
+        self.mem_tree: list[psutil.Process] = []   # whose RSS counts; refreshed now and then
+        self.mem_tree_at = float("-inf")
         self._log = log_file
         self._reader = threading.Thread(target=self._pump, args=(echo,), daemon=True,
                                         name=f"log-{replica.name}")
@@ -129,12 +137,18 @@ class _Worker:
                 pass
 
     def snapshot_tree(self) -> None:
-        self.tree = process_tree(self.popen.pid)[1:]
+        """Remember the worker's descendants (kept: once the worker is gone they are not
+        its children any more, and a daemon that left the group is found only this way)."""
+        for proc in process_tree(self.popen.pid)[1:]:
+            if proc not in self.tree:   # psutil compares pid and create time
+                self.tree.append(proc)
 
-    def finish(self) -> str | None:
+    def finish(self, sweep: Callable[[_Worker], None] | None = None) -> str | None:
         """After exit: kill leftovers, drain the log, return a traceback excerpt if any."""
         self.snapshot_tree()
         self.signal(signal.SIGKILL)
+        if sweep is not None:
+            sweep(self)   # leftovers that are neither in the group nor known descendants
         self._reader.join(timeout=5)
         self._log.close()
         report = read_error_report(self.report)
@@ -145,12 +159,103 @@ class _Worker:
         return "\n".join(lines[starts[-1]:][-12:]) if starts else None
 
 
-def _set_pdeathsig() -> None:
-    """In the child: die with the launcher, even if it is SIGKILLed (Linux)."""
+def _load_prctl() -> Any:
+    if not sys.platform.startswith("linux"):
+        return None
     try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except OSError:
-        pass
+        return ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
+
+
+_PRCTL = _load_prctl()   # resolved here: between fork and exec the child only calls it
+_PR_SET_PDEATHSIG = 1
+
+
+def _pdeathsig_preexec(launcher_pid: int) -> Callable[[], None]:
+    def preexec() -> None:
+        """In the child: die with the launcher, even if it is SIGKILLed (Linux)."""
+        _PRCTL(_PR_SET_PDEATHSIG, signal.SIGKILL)
+        if os.getppid() != launcher_pid:   # the launcher died before prctl took effect
+            os.kill(os.getpid(), signal.SIGKILL)
+    return preexec
+
+
+# The watchdog: a tiny process in its own session that outlives a SIGKILLed launcher. Its
+# stdin is a pipe from the launcher. Each line "LIFE REPLICA ATTEMPT RESTART" says a worker
+# life is over: it SIGKILLs whatever still carries that life's environment. At EOF (the
+# launcher ended, or died) it SIGKILLs every process that carries the launch id. Workers
+# themselves die with the launcher by PR_SET_PDEATHSIG; this catches their descendants.
+_WATCHDOG = r"""
+import os, signal, sys
+key = sys.argv[1].encode()
+me = os.getpid()
+
+def sweep(extra):
+    for _ in range(5):
+        hits = 0
+        for name in os.listdir("/proc"):
+            if not name.isdigit() or int(name) == me:
+                continue
+            try:
+                with open("/proc/" + name + "/environ", "rb") as f:
+                    env = f.read().split(b"\0")
+            except OSError:
+                continue
+            if key in env and all(e in env for e in extra):
+                try:
+                    os.kill(int(name), signal.SIGKILL)
+                    hits += 1
+                except OSError:
+                    pass
+        if not hits:
+            return
+
+for line in sys.stdin.buffer:
+    parts = line.split()
+    if len(parts) == 4 and parts[0] == b"LIFE":
+        sweep([b"RESILIENT_TRAIN_REPLICA=" + parts[1], b"RESILIENT_TRAIN_ATTEMPT=" + parts[2],
+               b"RESILIENT_TRAIN_RESTART_COUNT=" + parts[3]])
+sweep([])
+"""
+
+
+class _Watchdog:
+    def __init__(self, launch_id: str) -> None:
+        self.proc: subprocess.Popen[bytes] | None = None
+        if not sys.platform.startswith("linux") or not os.path.isdir("/proc"):
+            return
+        try:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-I", "-S", "-c", _WATCHDOG, f"{LAUNCH_ID_ENV}={launch_id}"],
+                stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                env={}, start_new_session=True)
+        except OSError as exc:
+            log.warning("no watchdog (%s): if the launcher is killed, workers' children may "
+                        "survive it", exc)
+
+    def life_over(self, w: _Worker) -> None:
+        if self.proc is None or self.proc.stdin is None:
+            return
+        try:
+            self.proc.stdin.write(
+                f"LIFE {w.replica.name} {w.attempt} {w.restart}\n".encode())
+            self.proc.stdin.flush()
+        except OSError:
+            pass
+
+    def close(self) -> None:
+        """Sweep every leftover of the job, and wait for that to finish."""
+        if self.proc is None:
+            return
+        try:
+            if self.proc.stdin is not None:
+                self.proc.stdin.close()
+            self.proc.wait(timeout=10)
+        except (OSError, subprocess.TimeoutExpired):
+            self.proc.kill()
+            self.proc.wait()
+        self.proc = None
 
 
 def free_port() -> int:
@@ -170,8 +275,7 @@ class Launcher:
         self.replicas = replicas_for(options.pools)
         self._by_name = {r.name: r for r in self.replicas}
         self.job_dir = options.job_dir
-        self._prepare_job_dir()
-        # Validate the chaos targets before anything starts.
+        # Validate the chaos targets before anything is created or started.
         self.chaos = ChaosSchedule(options.chaos, [r.name for r in self.replicas])
         self.machine = JobMachine(JobConfig(
             name=options.job_name,
@@ -183,20 +287,31 @@ class Launcher:
             max_wait=options.max_wait,
             region=options.region,
         ), clock())
+        # Absolute local paths: a worker that changes directory still finds them.
+        job_dir_abs = self.job_dir.resolve()
         self.env = JobEnv(
             job_id=options.job_name, replicas=self.replicas, master_addr="127.0.0.1",
             master_port=free_port(),
-            output_base=(options.output_dir or str(self.job_dir / "output")).rstrip("/"),
-            job_dir=str(self.job_dir))
+            output_base=(options.output_dir or str(job_dir_abs / "output")).rstrip("/"),
+            job_dir=str(job_dir_abs), launch_id=uuid.uuid4().hex)
+        self._watchdog: _Watchdog | None = None
         self.workers: dict[str, _Worker] = {}
         self._delayed: list[tuple[float, StartWorker]] = []
         self._pending_faults: list[ScheduledFault] = []
         self._rng = random.Random(options.seed)
-        self._quota = LocalQuota(options.quota_dir or default_quota_dir(options.env),
-                                 Capacity(detect_gpus(options.env), _cpu_slots(options.env)))
+        quota_dir = options.quota_dir or default_quota_dir(options.env)
+        capacity = Capacity(detect_gpus(options.env), _cpu_slots(options.env))
+        try:
+            self._quota = LocalQuota(quota_dir, capacity)
+        except OSError as exc:
+            raise LaunchError(
+                f"cannot use the quota directory {quota_dir}: {exc.strerror or exc}; set "
+                "RESILIENT_TRAIN_QUOTA_DIR to a writable directory") from None
         self._request = Request(gpus=options.gpus_per_worker * len(self.replicas),
                                 cpu_slots=options.cpu_slots)
         self._lease: Lease | None = None
+        # Last of the checks, so that a bad option leaves no empty job directory behind.
+        self._prepare_job_dir()
         self._wants_capacity = False
         self._quota_note_shown = False
         self._cancel_requests = 0
@@ -232,9 +347,9 @@ class Launcher:
         if self._echo_workers:
             self.echo(line)
 
-    def _flush_events(self) -> None:
+    def _flush_events(self, force: bool = False) -> None:
         events = self.machine.events
-        if self._printed_events == len(events):
+        if self._printed_events == len(events) and not force:
             return
         for event in events[self._printed_events:]:
             when = self.machine.create_time + event["elapsed_s"]
@@ -265,7 +380,9 @@ class Launcher:
     def run(self) -> int:
         """Run the job to a terminal state; return the launcher's exit status."""
         restore = self._install_signals()
+        self._watchdog = _Watchdog(self.env.launch_id)
         try:
+            self._flush_events(force=True)   # job.json exists from the start (QUEUED)
             self._execute(self.machine.start(self.clock()))
             while not (self.machine.state.terminal and not self.workers):
                 self._step()
@@ -273,6 +390,8 @@ class Launcher:
                 if self.machine.state.terminal and not self.workers:
                     break
                 self._sleep()
+            # A job can end before the loop runs once (a command that cannot start).
+            self._flush_events()
         except BaseException as exc:
             # The launcher itself failed: no worker may outlive it, and the record says why.
             log.exception("launcher failed")
@@ -288,7 +407,10 @@ class Launcher:
             raise
         finally:
             self._release()
+            self._watchdog.close()
             restore()
+            os.close(self._wake_r)
+            os.close(self._wake_w)
         status = self.machine.exit_status
         return 0 if status is None else status
 
@@ -394,7 +516,9 @@ class Launcher:
             popen = subprocess.Popen(
                 list(o.command), env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                 stderr=subprocess.STDOUT, start_new_session=True,
-                preexec_fn=_set_pdeathsig if sys.platform.startswith("linux") else None)
+                # Only prctl and getppid run between fork and exec (no locks, no imports).
+                preexec_fn=_pdeathsig_preexec(os.getpid()) if _PRCTL is not None else None,  # noqa: PLW1509
+            )
         except (FileNotFoundError, PermissionError, NotADirectoryError) as exc:
             # As on the platform: a command that cannot start is exit 128, StartError.
             msg = f"cannot start {o.command[0]!r}: {exc.strerror or exc}"
@@ -436,7 +560,7 @@ class Launcher:
             if rc is None:
                 continue
             del self.workers[name]
-            excerpt = w.finish()
+            excerpt = w.finish(self._sweep)
             code = exit_code_for(rc)
             cause = w.cause or Cause.EXIT
             self._execute(self.machine.worker_exited(name, code, cause, now, excerpt=excerpt))
@@ -514,13 +638,29 @@ class Launcher:
             w.signal(signal.SIGKILL)
         return True
 
+    def _tree_rss(self, w: _Worker) -> int:
+        """RSS of the worker's process tree. Finding the tree scans every process on the
+        machine (psutil's ppid map), so it is redone at most every _TREE_REFRESH_S; the RSS
+        of the known members is read at every poll (one small /proc read each)."""
+        now = time.monotonic()
+        if now - w.mem_tree_at >= _TREE_REFRESH_S or not w.mem_tree:
+            w.mem_tree = process_tree(w.popen.pid)
+            w.mem_tree_at = now
+        total = 0
+        for proc in w.mem_tree:
+            try:
+                total += proc.memory_info().rss
+            except (psutil.NoSuchProcess, psutil.AccessDenied):
+                continue
+        return total
+
     def _check_memory(self) -> None:
         limit = self.options.memory_limit
         assert limit is not None
         for w in self.workers.values():
             if w.cause is not None:
                 continue
-            rss = process_tree_rss(w.popen.pid)
+            rss = self._tree_rss(w)
             if rss > limit:
                 self.note(f"{w.replica.name}: out of memory: {rss / 2**20:.0f} MiB > limit "
                           f"{limit / 2**20:.0f} MiB")
@@ -552,6 +692,10 @@ class Launcher:
                 signal.signal(s, h)
         return restore
 
+    def _sweep(self, w: _Worker) -> None:
+        if self._watchdog is not None:
+            self._watchdog.life_over(w)
+
     def _kill_everything(self) -> None:
         for w in list(self.workers.values()):
             w.snapshot_tree()
@@ -561,7 +705,7 @@ class Launcher:
                 w.popen.wait(timeout=10)
             except subprocess.TimeoutExpired:
                 pass
-            w.finish()
+            w.finish(self._sweep)
             del self.workers[name]
 
 

@@ -12,6 +12,7 @@ from ..errors import ERROR_FILE_ENV
 # Pools 0 (primary) and 1 (workers) form the training process group; pools 2 (parameter
 # or reduction servers) and 3 (evaluators) do not.
 TRAINING_POOLS = ("workerpool0", "workerpool1")
+LAUNCH_ID_ENV = "RESILIENT_TRAIN_LAUNCH_ID"
 
 
 @dataclass(frozen=True)
@@ -49,6 +50,9 @@ class JobEnv:
     master_port: int
     output_base: str                 # local path or gs:// URI, no trailing slash
     job_dir: str
+    # Unique per launch; every worker (and whatever it spawns) inherits it, so the launcher
+    # can find the processes of its job that left their process group.
+    launch_id: str = ""
 
 
 def worker_env(job: JobEnv, replica: Replica, *, attempt: int, restart: int,
@@ -83,6 +87,8 @@ def worker_env(job: JobEnv, replica: Replica, *, attempt: int, restart: int,
         "RESILIENT_TRAIN_JOB_DIR": job.job_dir,
         "PYTHONUNBUFFERED": "1",
     })
+    if job.launch_id:
+        env[LAUNCH_ID_ENV] = job.launch_id
     if replica.rank is not None:
         env["RANK"] = env["GROUP_RANK"] = str(replica.rank)
     else:

@@ -1,4 +1,5 @@
-"""grandchild_ignores_term.py [--setsid]: spawn a grandchild that ignores SIGTERM, then hang.
+"""grandchild_ignores_term.py [--setsid] [--exit CODE]: spawn a grandchild that ignores
+SIGTERM, then hang (or exit with CODE, leaving the grandchild behind).
 
 The grandchild writes ``<stem>.grandchild`` with its pid. With --setsid it leaves the
 worker's process group and session (a daemon), so only a launcher that remembers the
@@ -24,4 +25,6 @@ child = subprocess.Popen([sys.executable, "-c", CHILD.format(here=here)],
                          start_new_session="--setsid" in sys.argv)
 _common.wait_for([f"{_common.stem()}.grandchild"])
 _common.mark("parent", child=child.pid)
+if "--exit" in sys.argv:
+    sys.exit(int(sys.argv[sys.argv.index("--exit") + 1]))
 _common.hang()

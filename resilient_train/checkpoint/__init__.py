@@ -1,0 +1,1 @@
+"""Checkpointing: storage, commit protocol, retention and restore."""

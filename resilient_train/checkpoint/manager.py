@@ -1,0 +1,522 @@
+"""CheckpointManager: when to save, the commit protocol, async writes, restore-latest.
+
+Layout under the checkpoint directory (DESIGN.md section 3)::
+
+    step-000000001200/          one directory per committed step
+        shared.pt               replicated state (model, optimizer, ...): the primary writes it
+        rank-00000.pt           per-rank state: RNG states and user values (data position)
+        manifest.json           every file's size and crc32c, step, world size, metadata
+        COMMITTED               written last; names the manifest's checksum
+
+On local disk the step is written into ``.tmp-step-...-TOKEN`` and renamed into place
+after every file and the directory are fsynced. Object stores have no atomic rename, so
+the step is written in place as ``step-...-TOKEN`` (a fresh name per run, so a crashed
+save can never mix its files into a later one) and the marker goes last. Readers see only
+steps with a marker whose manifest verifies.
+"""
+
+from __future__ import annotations
+
+import io
+import logging
+import os
+import signal
+import threading
+import time
+from collections.abc import Callable, Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any, BinaryIO
+
+import torch
+
+from .. import __version__
+from .coordination import Coordinator, default_coordinator
+from .manifest import (
+    MANIFEST,
+    MARKER,
+    CheckpointError,
+    CorruptCheckpointError,
+    Crc32c,
+    FileEntry,
+    Manifest,
+    check_marker,
+    marker_bytes,
+    parse_step,
+    step_dirname,
+)
+from .policy import FOUR_HOURS, SaveContext, SavePolicy, default_save_policy
+from .retention import CommittedStep, RetentionPolicy, to_delete
+from .state import HostSnapshot, capture_rng, check_weights_only, collect, restore, restore_rng
+from .storage import RetryOptions, Storage
+
+log = logging.getLogger(__name__)
+
+SHARED_FILE = "shared.pt"
+TMP_PREFIX = ".tmp-"
+
+
+def rank_file(rank: int) -> str:
+    return f"rank-{rank:05d}.pt"
+
+
+def default_directory() -> str:
+    """``AIP_CHECKPOINT_DIR`` when the platform (or our launcher) sets it, else ./checkpoints."""
+    return os.environ.get("AIP_CHECKPOINT_DIR") or "checkpoints"
+
+
+@dataclass(frozen=True)
+class CheckpointOptions:
+    save_every_steps: int | None = None
+    max_interval_s: float = FOUR_HOURS      # the platform: at least once every 4 hours
+    policy: SavePolicy | None = None        # overrides the two above
+    retention: RetentionPolicy = field(default_factory=RetentionPolicy)
+    async_save: bool = True
+    retry: RetryOptions = field(default_factory=RetryOptions)
+    storage_options: Mapping[str, Any] | None = None
+    # Multi-rank: how often the ranks agree on the clock (time-based saves, SIGTERM).
+    sync_interval_s: float = 1.0
+    save_on_sigterm: bool = False
+    metadata: Mapping[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class StepInfo:
+    step: int
+    name: str                # directory name under the root
+    committed: bool          # has a marker
+    problems: tuple[str, ...] = ()
+    created: float | None = None
+    world_size: int | None = None
+    size_bytes: int | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.committed and not self.problems
+
+
+class _CrcWriter:
+    """A file object for torch.save that checksums what passes through."""
+
+    def __init__(self, f: BinaryIO) -> None:
+        self._f = f
+        self.crc = Crc32c()
+
+    def write(self, data: bytes | memoryview) -> int:
+        self.crc.update(data)
+        return self._f.write(data)
+
+    def flush(self) -> None:
+        self._f.flush()
+
+
+class CheckpointManager:
+    """Save, keep and restore training state; see the module docstring for the layout."""
+
+    def __init__(self, directory: str | os.PathLike[str] | None = None, *,
+                 options: CheckpointOptions | None = None,
+                 coordinator: Coordinator | None = None,
+                 clock: Callable[[], float] = time.time) -> None:
+        self.options = options or CheckpointOptions()
+        self.directory = os.fspath(directory) if directory is not None else default_directory()
+        self.storage = Storage(self.directory, retry=self.options.retry,
+                               storage_options=self.options.storage_options)
+        self.coord = coordinator or default_coordinator()
+        self.rank, self.world_size = self.coord.rank, self.coord.world_size
+        self.is_primary = self.rank == 0
+        self.clock = clock
+        self.policy = self.options.policy or default_save_policy(
+            self.options.save_every_steps, self.options.max_interval_s)
+        if self.is_primary:
+            self.storage.check_writable()   # a missing bucket fails now, not hours from now
+        # A fresh name per run for in-flight saves: a crashed run's leftovers never mix in.
+        self._token: str = self.coord.broadcast(os.urandom(4).hex())
+        self._tracked: dict[str, Any] = {}
+        self.values: dict[str, Any] = {}
+        self._snapshot = HostSnapshot()
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rt-ckpt-writer")
+        self._inflight: Future[None] | None = None
+        self._error: BaseException | None = None
+        self._lock = threading.Lock()
+        self.last_saved_step: int | None = None
+        self.last_commit_step: int | None = None
+        self.last_blocking_s = 0.0
+        self._shared_now = self.coord.allreduce_max([int(clock() * 1000)])[0] / 1000.0
+        self._last_save_time = self._shared_now
+        self._next_sync_step = 0
+        self._step_time = 0.0
+        self._last_step_clock: float | None = None
+        self._sigterm = False
+        self._old_sigterm: Any = None
+        if self.options.save_on_sigterm:
+            self._install_sigterm()
+
+    # --- what to save -----------------------------------------------------------------
+
+    def track(self, **objects: Any) -> None:
+        """Objects with ``state_dict``/``load_state_dict`` (model, optimizer, scheduler,
+        scaler), replicated on every rank; the primary writes them."""
+        self._tracked.update(objects)
+
+    # --- when to save -----------------------------------------------------------------
+
+    def maybe_save(self, step: int) -> bool:
+        """Call after each finished step (``step`` = steps done). Saves when the policy says so;
+        cheap otherwise. Returns True when a save was started."""
+        if self._error is not None:
+            self._raise_error()
+        if self.world_size == 1:
+            now = self.clock()
+            emergency = self._sigterm
+        else:
+            now, emergency = self._sync(step)
+        if emergency or self.policy.should_save(
+                SaveContext(step, now, self.last_saved_step, self._last_save_time)):
+            self.save(step, blocking=emergency)
+            if emergency:
+                self._exit_after_emergency(step)
+            return True
+        return False
+
+    def _sync(self, step: int) -> tuple[float, bool]:
+        """Multi-rank: agree on the clock and on a pending SIGTERM, about once per
+        ``sync_interval_s``, so every rank takes the same decision at the same step."""
+        now_local = time.monotonic()
+        if self._last_step_clock is not None:
+            dt = now_local - self._last_step_clock
+            self._step_time = dt if self._step_time == 0 else 0.9 * self._step_time + 0.1 * dt
+        self._last_step_clock = now_local
+        if step < self._next_sync_step:
+            return self._shared_now, False
+        stride = max(1, int(self.options.sync_interval_s / self._step_time)) if self._step_time else 1
+        my_now = int(self.clock() * 1000) if self.is_primary else 0
+        now_ms, stride, sigterm = self.coord.allreduce_max([my_now, stride, int(self._sigterm)])
+        self._shared_now = now_ms / 1000.0
+        self._next_sync_step = step + stride
+        return self._shared_now, bool(sigterm)
+
+    # --- saving -----------------------------------------------------------------------
+
+    def save(self, step: int, *, blocking: bool | None = None) -> None:
+        """Save now. Blocks only for the in-memory snapshot unless ``blocking`` (or the
+        options) say otherwise; one save is in flight at a time."""
+        if self._error is not None:
+            self._raise_error()
+        self.wait()
+        t0 = time.perf_counter()
+        tree: dict[str, Any] = {"rank": {"rng": capture_rng(), "values": dict(self.values)}}
+        if self.is_primary:
+            tree["shared"] = collect(self._tracked)
+        check_weights_only(tree, where="checkpoint state")
+        snap = self._snapshot.snapshot(tree)
+        self.last_blocking_s = time.perf_counter() - t0
+        self.last_saved_step = step
+        self._last_save_time = self._shared_now if self.world_size > 1 else self.clock()
+        if blocking or (blocking is None and not self.options.async_save):
+            self._write(step, snap)
+        else:
+            self._inflight = self._executor.submit(self._write_guarded, step, snap)
+
+    def wait(self) -> None:
+        """Block until the save in flight is committed; raise its error if it failed."""
+        fut, self._inflight = self._inflight, None
+        if fut is not None:
+            fut.result()  # _write_guarded never raises; errors land in self._error
+        if self._error is not None:
+            self._raise_error()
+
+    def close(self) -> None:
+        try:
+            self.wait()
+        finally:
+            self._executor.shutdown(wait=True)
+            if self._old_sigterm is not None:
+                signal.signal(signal.SIGTERM, self._old_sigterm)
+                self._old_sigterm = None
+
+    def __enter__(self) -> CheckpointManager:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def _raise_error(self) -> None:
+        err, self._error = self._error, None
+        assert err is not None
+        raise CheckpointError(f"a background checkpoint save failed: {err}") from err
+
+    def _write_guarded(self, step: int, snap: dict[str, Any]) -> None:
+        try:
+            self._write(step, snap)
+        except BaseException as exc:  # never lost: raised on the next call
+            log.error("checkpoint save of step %d failed: %s", step, exc)
+            self._error = exc
+
+    def _write(self, step: int, snap: dict[str, Any]) -> None:
+        final = step_dirname(step)
+        work = f"{TMP_PREFIX}{final}-{self._token}" if self.storage.atomic_rename \
+            else f"{final}-{self._token}"
+        entries: dict[str, FileEntry] = {}
+        if self.is_primary:
+            entries[SHARED_FILE] = self._write_file(f"{work}/{SHARED_FILE}", snap["shared"])
+        entries[rank_file(self.rank)] = self._write_file(f"{work}/{rank_file(self.rank)}",
+                                                         snap["rank"])
+        gathered = self.coord.gather(entries)
+        if gathered is None:
+            return  # only the primary commits
+        files: dict[str, FileEntry] = {}
+        for part in gathered:
+            files.update(part)
+        manifest = Manifest(step=step, world_size=self.world_size, layout="replicated",
+                            files=files, library=f"resilient-train {__version__}",
+                            metadata=dict(self.options.metadata))
+        data = manifest.to_bytes()
+        self.storage.write_bytes(f"{work}/{MANIFEST}", data)
+        self.storage.write_bytes(f"{work}/{MARKER}", marker_bytes(data, step))
+        if self.storage.atomic_rename:
+            self.storage.fsync_dir(work)
+            if self.storage.exists(final):
+                # This step is already committed (e.g. an emergency save right after a
+                # restore): keep the existing commit, drop the duplicate.
+                self.storage.delete(work, recursive=True)
+            else:
+                self.storage.rename_dir(work, final)  # the commit; fsyncs the parent
+        self.last_commit_step = step
+        log.info("checkpoint step %d committed to %s", step, self.storage.url_of(final))
+        self._apply_retention()
+
+    def _write_file(self, rel: str, obj: Any) -> FileEntry:
+        with self.storage.open_write(rel) as f:
+            w = _CrcWriter(f)
+            torch.save(obj, w)  # type: ignore[arg-type]
+        return FileEntry(w.crc.size, w.crc.hexdigest())
+
+    # --- what to keep -----------------------------------------------------------------
+
+    def _apply_retention(self) -> None:
+        infos = scan(self.storage)
+        committed = [i for i in infos if i.committed]
+        if not committed:
+            return
+        latest = max(i.step for i in committed)
+        times = {i.name: (i.created or 0.0) for i in committed}
+        doomed = set(to_delete([CommittedStep(i.step, times[i.name]) for i in committed],
+                               self.options.retention))
+        for info in infos:
+            if info.committed and info.step in doomed:
+                log.info("retention: deleting step %d", info.step)
+                self.storage.delete(info.name, recursive=True)
+            elif not info.committed and info.step < latest and self._token not in info.name:
+                # An uncommitted leftover of a crashed save, older than the latest commit.
+                log.info("deleting uncommitted leftover %s", info.name)
+                self.storage.delete(info.name, recursive=True)
+
+    # --- restoring --------------------------------------------------------------------
+
+    def restore_latest(self, *, strict: bool = True) -> int | None:
+        """Load the newest committed step that verifies into the tracked objects, the RNGs
+        and ``values``; return its step, or None when there is no checkpoint at all.
+        A corrupt latest falls back to the previous one with a warning; if checkpoints
+        exist but none verifies, raise instead of silently starting from scratch."""
+        self.wait()
+        names: list[tuple[int, str]] = self.coord.broadcast(
+            [(i.step, i.name) for i in scan(self.storage, with_manifest=False) if i.committed]
+            if self.is_primary else None)
+        problems: list[str] = []
+        for step, name in sorted(names, reverse=True):
+            loaded: tuple[Manifest, dict[str, Any], dict[str, Any] | None] | None = None
+            try:
+                loaded = self._load_step(step, name)
+            except CorruptCheckpointError as exc:
+                problems.append(str(exc))
+            # Every rank must restore the same step: one rank's bad file skips it for all.
+            if self.coord.allreduce_max([0 if loaded else 1])[0] == 0 and loaded is not None:
+                manifest, shared, mine = loaded
+                self._apply(manifest, shared, mine, strict)
+                return step
+            log.warning("checkpoint %s does not verify%s; falling back to the previous one",
+                        self.storage.url_of(name), f": {problems[-1]}" if problems else
+                        " on another rank")
+        if names:
+            raise CorruptCheckpointError(
+                f"{len(names)} committed checkpoint(s) in {self.storage.url} but none verifies: "
+                + "; ".join(problems[:5])
+                + ". Refusing to start from scratch silently: fix or move the directory, "
+                "or pass a new checkpoint directory to start over.")
+        return None
+
+    def _load_step(self, step: int, name: str
+                   ) -> tuple[Manifest, dict[str, Any], dict[str, Any] | None]:
+        where = self.storage.url_of(name)
+        manifest = read_manifest(self.storage, name, step)
+        present = set(_list_files(self.storage, name))
+        problems = _structural_problems(manifest, present, self.storage, name)
+        if problems:
+            raise CorruptCheckpointError(f"{where}: " + "; ".join(problems))
+        shared = _load_verified(self.storage, name, SHARED_FILE, manifest)
+        own = rank_file(self.rank)
+        mine = _load_verified(self.storage, name, own, manifest) if own in manifest.files else None
+        return manifest, shared, mine
+
+    def _apply(self, manifest: Manifest, shared: dict[str, Any], mine: dict[str, Any] | None,
+               strict: bool) -> None:
+        restore(self._tracked, shared, strict=strict)
+        if mine is None:
+            log.warning("checkpoint step %d was written by %d ranks and has no file for rank %d: "
+                        "its RNG state stays as it is and the values of rank 0 are used", manifest.step,
+                        manifest.world_size, self.rank)
+            mine = _load_verified(self.storage, _dir_for(self.storage, manifest.step),
+                                  rank_file(0), manifest)
+        else:
+            restore_rng(mine["rng"])
+        self.values.clear()
+        self.values.update(mine["values"])
+        self.last_saved_step = self.last_commit_step = manifest.step
+        self._last_save_time = manifest.created
+        log.info("restored checkpoint step %d from %s", manifest.step, self.storage.url)
+
+    # --- SIGTERM ----------------------------------------------------------------------
+
+    def _install_sigterm(self) -> None:
+        if threading.current_thread() is not threading.main_thread():
+            raise CheckpointError("save_on_sigterm needs the manager to be created in the main thread")
+
+        def on_sigterm(signum: int, frame: Any) -> None:
+            self._sigterm = True
+
+        self._old_sigterm = signal.signal(signal.SIGTERM, on_sigterm)
+
+    @property
+    def sigterm_received(self) -> bool:
+        return self._sigterm
+
+    def _exit_after_emergency(self, step: int) -> None:
+        from ..errors import exit_transient
+
+        if self._sigterm:  # only the signalled rank leaves; the others saved with it
+            self.close()
+            exit_transient(f"SIGTERM: emergency checkpoint of step {step} committed")
+
+
+# --- reading a directory (also used by the CLI) ---------------------------------------
+
+def _list_files(storage: Storage, name: str) -> list[str]:
+    out: list[str] = []
+    for child in storage.listdir(name):
+        rel = f"{name}/{child}"
+        sub = storage.listdir(rel)
+        if sub:
+            out.extend(f"{child}/{f}" for f in _list_files(storage, rel))
+        else:
+            out.append(child)
+    return out
+
+
+def _dir_for(storage: Storage, step: int) -> str:
+    for info in scan(storage, with_manifest=False):
+        if info.step == step and info.committed:
+            return info.name
+    raise CorruptCheckpointError(f"step {step} vanished from {storage.url}")
+
+
+def read_manifest(storage: Storage, name: str, step: int) -> Manifest:
+    where = storage.url_of(name)
+    try:
+        data = storage.read_bytes(f"{name}/{MANIFEST}")
+    except FileNotFoundError:
+        raise CorruptCheckpointError(f"{where}: {MANIFEST} is missing") from None
+    try:
+        marker = storage.read_bytes(f"{name}/{MARKER}")
+    except FileNotFoundError:
+        raise CorruptCheckpointError(f"{where}: not committed ({MARKER} is missing)") from None
+    check_marker(marker, data, step, where)
+    manifest = Manifest.from_bytes(data, where)
+    if manifest.step != step:
+        raise CorruptCheckpointError(f"{where}: the manifest says step {manifest.step}")
+    return manifest
+
+
+def _structural_problems(manifest: Manifest, present: set[str], storage: Storage,
+                         name: str) -> list[str]:
+    problems = []
+    for fname, entry in sorted(manifest.files.items()):
+        if fname not in present:
+            problems.append(f"{fname} is missing")
+            continue
+        size = storage.size(f"{name}/{fname}")
+        if size != entry.size:
+            problems.append(f"{fname} is {size} bytes, the manifest says {entry.size} (truncated?)")
+    extra = sorted(present - set(manifest.files) - {MANIFEST, MARKER})
+    if extra:
+        problems.append(f"files not in the manifest: {', '.join(extra[:10])}")
+    return problems
+
+
+def _read_verified(storage: Storage, name: str, fname: str, manifest: Manifest) -> bytes:
+    where = storage.url_of(f"{name}/{fname}")
+    entry = manifest.files.get(fname)
+    if entry is None:
+        raise CorruptCheckpointError(f"{where}: not listed in the manifest")
+    try:
+        data = storage.read_bytes(f"{name}/{fname}")
+    except FileNotFoundError:
+        raise CorruptCheckpointError(f"{where}: missing") from None
+    crc = Crc32c()
+    crc.update(data)
+    if crc.size != entry.size or crc.hexdigest() != entry.crc32c:
+        raise CorruptCheckpointError(
+            f"{where}: checksum mismatch (crc32c {crc.hexdigest()}, {crc.size} bytes; the manifest "
+            f"says {entry.crc32c}, {entry.size} bytes)")
+    return data
+
+
+def _load_verified(storage: Storage, name: str, fname: str, manifest: Manifest) -> dict[str, Any]:
+    data = _read_verified(storage, name, fname, manifest)
+    try:
+        obj = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+    except Exception as exc:  # a checksum-valid file that torch cannot read
+        raise CorruptCheckpointError(f"{storage.url_of(name + '/' + fname)}: unreadable ({exc})") from exc
+    if not isinstance(obj, dict):
+        raise CorruptCheckpointError(f"{storage.url_of(name + '/' + fname)}: not a checkpoint file")
+    return obj
+
+
+def scan(storage: Storage, *, with_manifest: bool = True) -> list[StepInfo]:
+    """Every step directory (committed or not) under the root, oldest first."""
+    infos = []
+    for child in storage.listdir(""):
+        base = child[len(TMP_PREFIX):] if child.startswith(TMP_PREFIX) else child
+        step = parse_step(base)
+        if step is None:
+            continue
+        committed = not child.startswith(TMP_PREFIX) and storage.exists(f"{child}/{MARKER}")
+        info = StepInfo(step, child, committed)
+        if committed and with_manifest:
+            try:
+                m = read_manifest(storage, child, step)
+                info = StepInfo(step, child, True, (), m.created, m.world_size,
+                                sum(e.size for e in m.files.values()))
+            except CorruptCheckpointError as exc:
+                info = StepInfo(step, child, True, (str(exc),))
+        infos.append(info)
+    return sorted(infos, key=lambda i: (i.step, i.name))
+
+
+def verify_step(storage: Storage, info: StepInfo) -> StepInfo:
+    """A deep check: marker, manifest, and every file's size and checksum."""
+    if not info.committed:
+        return StepInfo(info.step, info.name, False, ("not committed",))
+    try:
+        manifest = read_manifest(storage, info.name, info.step)
+        problems = _structural_problems(manifest, set(_list_files(storage, info.name)),
+                                        storage, info.name)
+        for fname in manifest.files:
+            if not any(p.startswith(fname) for p in problems):
+                try:
+                    _read_verified(storage, info.name, fname, manifest)
+                except CorruptCheckpointError as exc:
+                    problems.append(str(exc))
+    except CorruptCheckpointError as exc:
+        return StepInfo(info.step, info.name, True, (str(exc),))
+    return StepInfo(info.step, info.name, True, tuple(problems), manifest.created,
+                    manifest.world_size, sum(e.size for e in manifest.files.values()))

@@ -1,0 +1,54 @@
+"""Shared fixtures: a fake-gcs-server for the session, fresh buckets, a fault proxy."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import pytest
+
+from gcs import FaultProxy, GcsEmulator, emulator_binary, start_emulator
+
+
+@pytest.fixture(scope="session")
+def gcs_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[GcsEmulator]:
+    """fake-gcs-server on 127.0.0.1 (skips where the bundled binary cannot run)."""
+    binary, why_not = emulator_binary()
+    if binary is None:
+        pytest.skip(f"no GCS emulator: {why_not}")
+    log = tmp_path_factory.mktemp("fake-gcs-server") / "server.log"
+    try:
+        server = start_emulator(binary, log)
+    except OSError as exc:  # e.g. ENOEXEC: a binary for another platform
+        pytest.skip(f"no GCS emulator: cannot run {binary}: {exc}")
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@dataclass(frozen=True)
+class GcsBucket:
+    name: str
+    url: str  # gs://name
+    storage_options: dict[str, Any]
+    server: GcsEmulator
+
+
+@pytest.fixture
+def gcs_bucket(gcs_server: GcsEmulator) -> GcsBucket:
+    """A fresh, empty bucket on the session's emulator and the options to reach it."""
+    name = gcs_server.create_bucket()
+    return GcsBucket(name, f"gs://{name}",
+                     {"endpoint_url": gcs_server.endpoint, "token": "anon"}, gcs_server)
+
+
+@pytest.fixture
+def gcs_proxy(gcs_server: GcsEmulator) -> Iterator[FaultProxy]:
+    """A fault-injecting proxy in front of the session's emulator (fresh rules per test)."""
+    proxy = FaultProxy(gcs_server.endpoint).start()
+    try:
+        yield proxy
+    finally:
+        proxy.stop()
