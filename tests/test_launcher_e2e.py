@@ -493,22 +493,37 @@ def test_a_launcher_failure_stops_the_workers_and_records_an_internal_error(
 
 # --------------------------------------------------------------------------- the launcher process
 
-def test_sigint_cancels_the_job(e2e: E2E) -> None:
-    proc, out = e2e.spawn("--workers", "2", "--grace", "2s", script="hang.py")
+@pytest.mark.parametrize("how", ["SIGINT", "SIGTERM", "SIGINT-twice"])
+def test_a_signal_to_the_launcher_cancels_the_job(e2e: E2E, how: str) -> None:
+    # Twice: the workers ignore SIGTERM and the grace period is long; the second Ctrl-C
+    # kills them at once.
+    twice = how == "SIGINT-twice"
+    sig = signal.SIGTERM if how == "SIGTERM" else signal.SIGINT
+    started = time.monotonic()
+    proc, out = e2e.spawn("--workers", "2", "--grace", "60s" if twice else "5s",
+                          script="ignore_term.py" if twice else "hang.py")
     try:
         e2e.wait_file("workerpool0-0.a1.r0.ready")
         e2e.wait_file("workerpool1-0.a1.r0.ready")
-        proc.send_signal(signal.SIGINT)
+        proc.send_signal(sig)
+        if twice:
+            wait_until(lambda: read_job(e2e.job_dir())["state"] == "JOB_STATE_CANCELLING",
+                       "the job to be CANCELLING")
+            proc.send_signal(sig)
         assert proc.wait(timeout=WAIT_S) == 130
     finally:
         proc.kill()
         proc.wait()
+    assert time.monotonic() - started < 40  # never the 60 s grace period
     rec = read_job(e2e.job_dir())
     assert rec["state"] == "JOB_STATE_CANCELLED"
     assert rec["error"] == {"code": 1, "message": "The job was cancelled."}
-    assert "JOB_STATE_CANCELLING" in " ".join(event_messages(rec))
+    states = [e["state"] for e in rec["events"] if e["kind"] == "state"]
+    assert states[-2:] == ["JOB_STATE_CANCELLING", "JOB_STATE_CANCELLED"]
+    codes = {replica(rec, n)["exit_codes"][-1] for n in (PRIMARY, "workerpool1-0")}
+    assert codes == ({137} if twice else {143})
     assert replica(rec, PRIMARY)["status"] == "stopped"
-    assert "SIGINT: cancelling the job" in out.read_text()
+    assert f"{sig.name}: cancelling the job" in out.read_text()
 
 
 @pytest.mark.parametrize("setsid", [False, True], ids=["same-group", "own-session"])

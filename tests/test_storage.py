@@ -9,11 +9,12 @@ filesystem.
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import time
 import uuid
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, ClassVar
 
 import fsspec
 import pytest
@@ -50,7 +51,8 @@ def store(request: pytest.FixtureRequest, tmp_path: Any) -> Iterator[Storage]:
         root = f"memory://rt-test-{uuid.uuid4().hex[:12]}/run"
         st = Storage(root, retry=FAST)
         yield st
-        st.fs.rm(st.root, recursive=True) if st.fs.exists(st.root) else None
+        if st.fs.exists(st.root):
+            st.fs.rm(st.root, recursive=True)
     else:
         bucket = request.getfixturevalue("gcs_bucket")
         yield Storage(f"{bucket.url}/run1/checkpoints", retry=FAST,
@@ -109,10 +111,9 @@ def test_open_write_streams_and_open_read_seeks(store: Storage) -> None:
 
 
 def test_open_write_leaves_nothing_on_exception(store: Storage) -> None:
-    with pytest.raises(RuntimeError, match="boom"):
-        with store.open_write("d/partial.bin") as f:
-            f.write(b"half of a checkpoint")
-            raise RuntimeError("boom")
+    with pytest.raises(RuntimeError, match="boom"), store.open_write("d/partial.bin") as f:
+        f.write(b"half of a checkpoint")
+        raise RuntimeError("boom")
     assert not store.exists("d/partial.bin")
     assert store.listdir("d") == []
 
@@ -124,9 +125,8 @@ def test_missing_file_is_not_found_naming_the_url(store: Storage) -> None:
         assert store.url_of("no/such.pt") in str(info.value)
         assert isinstance(info.value, FileNotFoundError)  # callers may catch the builtin
         assert classify_exception(info.value) is Classification.PERMANENT
-    with pytest.raises(FileNotFoundError):
-        with store.open_read("no/such.pt"):
-            pass
+    with pytest.raises(FileNotFoundError), store.open_read("no/such.pt"):
+        pass
 
 
 def test_check_writable_leaves_no_probe(store: Storage) -> None:
@@ -213,7 +213,12 @@ def test_local_rename_dir_is_one_rename_then_parent_fsync(
         st.write_bytes(f".tmp-step_2/{name}", name.encode())
     renames: list[tuple[str, str]] = []
     real_rename = os.rename
-    monkeypatch.setattr(os, "rename", lambda s, d: (renames.append((s, d)), real_rename(s, d)))
+
+    def rename_spy(src: str, dst: str) -> None:
+        renames.append((src, dst))
+        real_rename(src, dst)
+
+    monkeypatch.setattr(os, "rename", rename_spy)
     fsync_spy.clear()
 
     st.rename_dir(".tmp-step_2", "step_2")
@@ -272,7 +277,7 @@ def test_gcs_fuse_paths_are_local_but_not_atomic(tmp_path: Any) -> None:
 def _gcsfs_error(status: int, message: str = "boom") -> BaseException:
     from gcsfs.retry import validate_response
 
-    body = ('{"error": {"code": %d, "message": "%s"}}' % (status, message)).encode()
+    body = json.dumps({"error": {"code": status, "message": message}}).encode()
     try:
         validate_response(status, body, "b/bucket/o/key")
     except BaseException as exc:  # noqa: BLE001 - we want whatever gcsfs raises
@@ -318,16 +323,17 @@ class FlakyMemoryFS(MemoryFileSystem):
     """memory:// whose writes and reads first raise the queued faults (then `always`)."""
 
     protocol = "flakymem"
-    faults: list[Callable[[], BaseException]] = []
-    always: Callable[[], BaseException] | None = None
-    calls = 0
+    faults: ClassVar[list[Callable[[], BaseException]]] = []
+    always: ClassVar[Callable[[], BaseException] | None] = None
+    calls: ClassVar[int] = 0
 
     def _maybe_fail(self) -> None:
-        type(self).calls += 1
-        if self.faults:
-            raise self.faults.pop(0)()
-        if self.always is not None:
-            raise self.always()
+        cls = type(self)
+        cls.calls += 1
+        if cls.faults:
+            raise cls.faults.pop(0)()
+        if cls.always is not None:
+            raise cls.always()
 
     def pipe_file(self, path: str, value: Any, *args: Any, **kwargs: Any) -> None:
         self._maybe_fail()
@@ -396,6 +402,8 @@ def test_emulator_detection() -> None:
     assert not uses_gcs_emulator({}, {})
     assert uses_gcs_emulator({}, {"STORAGE_EMULATOR_HOST": "localhost:9023"})
     assert not uses_gcs_emulator({}, {"STORAGE_EMULATOR_HOST": "default"})
+    assert not uses_gcs_emulator({"endpoint_url": "https://storage.example"},
+                                 {"STORAGE_EMULATOR_HOST": "localhost:9023"})
 
 
 def test_emulator_uses_plain_gcsfs_and_anonymous_token(gcs_bucket: Any) -> None:
@@ -407,6 +415,40 @@ def test_emulator_uses_plain_gcsfs_and_anonymous_token(gcs_bucket: Any) -> None:
     st.write_bytes("a", b"1")
     assert st.read_bytes("a") == b"1"
     assert st.url_of("a") == f"{gcs_bucket.url}/a"
+
+
+_IMPORT_ORDER_SCRIPT = """
+import os, sys, time
+if sys.argv[1] == "gcsfs-first":
+    import gcsfs, gcsfs.core  # imported before us, with gcsfs's default (experimental on)
+    assert gcsfs.GCSFileSystem is not gcsfs.core.GCSFileSystem
+from resilient_train.checkpoint.storage import Storage
+st = Storage("gs://" + sys.argv[3], storage_options={"endpoint_url": sys.argv[2]})
+t0 = time.monotonic()
+st.write_bytes("a", b"1")
+assert st.read_bytes("a") == b"1" and st.listdir() == ["a"]
+import gcsfs, gcsfs.core
+assert type(st.fs) is gcsfs.core.GCSFileSystem
+print(round(time.monotonic() - t0, 2), gcsfs.GCSFileSystem is gcsfs.core.GCSFileSystem)
+"""
+
+
+@pytest.mark.parametrize("order", ["storage-first", "gcsfs-first"])
+def test_emulator_works_whenever_gcsfs_was_imported(gcs_bucket: Any, order: str) -> None:
+    """GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT is read at gcsfs import; both orders must be fast."""
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items()
+           if k not in (GCSFS_HNS_ENV, "STORAGE_EMULATOR_HOST")}
+    out = subprocess.run(
+        [sys.executable, "-c", _IMPORT_ORDER_SCRIPT, order, gcs_bucket.server.endpoint,
+         gcs_bucket.name], env=env, capture_output=True, text=True, timeout=30, check=False)
+    assert out.returncode == 0, out.stderr[-2000:]
+    seconds, plain_registered = out.stdout.split()
+    assert float(seconds) < 5.0  # the experimental path costs ~60 s per bucket operation
+    # set before the import, the variable also makes gcsfs's own default the plain class
+    assert plain_registered == ("True" if order == "storage-first" else "False")
 
 
 def test_missing_bucket_fails_check_writable(gcs_server: Any) -> None:

@@ -49,7 +49,10 @@ class Crc32c:
         self._c = google_crc32c.Checksum()
         self.size = 0
 
-    def update(self, data: bytes | memoryview) -> None:
+    def update(self, data: bytes | bytearray | memoryview) -> None:
+        if not isinstance(data, bytes):
+            # google-crc32c's C extension takes only bytes (no buffer views).
+            data = bytes(data)
         self._c.update(data)
         self.size += len(data)
 

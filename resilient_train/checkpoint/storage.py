@@ -250,8 +250,8 @@ def uses_gcs_emulator(storage_options: Mapping[str, Any],
     """Whether a gs:// Storage with these options talks to a local plain-HTTP emulator."""
     env = os.environ if environ is None else environ
     endpoint = storage_options.get("endpoint_url")
-    if isinstance(endpoint, str) and endpoint.startswith("http://"):
-        return True
+    if isinstance(endpoint, str) and endpoint:
+        return endpoint.startswith("http://")  # an explicit endpoint wins over the env
     return env.get("STORAGE_EMULATOR_HOST", "") not in ("", "default")
 
 

@@ -40,7 +40,7 @@ class JobConfig:
     strategy: Strategy = Strategy.STANDARD
     restart_job_on_worker_restart: bool = False
     timeout: float | None = 7 * 24 * 3600.0   # from the first RUNNING; None = no limit
-    max_wait: float | None = 24 * 3600.0      # FLEX_START wait for capacity; None = forever
+    max_wait: float | None = 24 * 3600.0      # FLEX_START wait for capacity; None or 0 = forever
     region: str = "local"
 
 
@@ -175,7 +175,7 @@ class JobMachine:
         times = []
         if self.config.timeout is not None and self.start_time is not None and not self.state.terminal:
             times.append(self.start_time + self.config.timeout)
-        if self._waiting_since is not None and self.config.max_wait is not None:
+        if self._waiting_since is not None and self.config.max_wait:
             times.append(self._waiting_since + self.config.max_wait)
         return min(times) if times else None
 
@@ -269,7 +269,8 @@ class JobMachine:
             self._event(now, "timeout", f"job {self.config.name}: timeout of {timeout:g} s reached")
             return self._stop_all(_AfterStop("terminal", JobState.FAILED, timeout_error(timeout),
                                              "timeout"), now)
-        if (self._waiting_since is not None and self.config.max_wait is not None
+        # max_wait_duration 0 means forever, as on the platform (PLATFORM.md section 3).
+        if (self._waiting_since is not None and self.config.max_wait
                 and now >= self._waiting_since + self.config.max_wait):
             self._waiting_since = None
             self.error = stockout_error(self.config.region)

@@ -186,7 +186,7 @@ def _pdeathsig_preexec(launcher_pid: int) -> Callable[[], None]:
 # life is over: it SIGKILLs whatever still carries that life's environment. At EOF (the
 # launcher ended, or died) it SIGKILLs every process that carries the launch id. Workers
 # themselves die with the launcher by PR_SET_PDEATHSIG; this catches their descendants.
-_WATCHDOG = r"""
+_WATCHDOG = r"""# resilient-train launcher watchdog
 import os, signal, sys
 key = sys.argv[1].encode()
 me = os.getpid()
@@ -380,7 +380,7 @@ class Launcher:
     def run(self) -> int:
         """Run the job to a terminal state; return the launcher's exit status."""
         restore = self._install_signals()
-        self._watchdog = _Watchdog(self.env.launch_id)
+        watchdog = self._watchdog = _Watchdog(self.env.launch_id)
         try:
             self._flush_events(force=True)   # job.json exists from the start (QUEUED)
             self._execute(self.machine.start(self.clock()))
@@ -407,7 +407,7 @@ class Launcher:
             raise
         finally:
             self._release()
-            self._watchdog.close()
+            watchdog.close()
             restore()
             os.close(self._wake_r)
             os.close(self._wake_w)
