@@ -458,7 +458,7 @@ def test_job_retries_are_shared_by_every_kind_of_retry() -> None:
     c.fault(Cause.INTERNAL)                                # its own budget
     assert c.state is JobState.RUNNING and c.used("internal_retries") == 1
     c.fail_n(W1, 5, 143, Cause.PREEMPTION).exit(W1, 143, Cause.PREEMPTION)
-    c.assert_ended(JobState.FAILED, 143, (3, user_error(W1, 143, "Preempted")))
+    c.assert_ended(JobState.FAILED, 143, (14, user_error(W1, 143, "Preempted")))
 
 
 def test_spot_preemption_retries_the_job_up_to_six_times() -> None:
@@ -503,7 +503,7 @@ def test_disable_retries_still_restarts_workers_five_times_then_fails() -> None:
     c = running(2, disable_retries=True).fail_n(W1, 5, 137, Cause.NODE_LOSS)
     assert c.state is JobState.RUNNING and c.replica(W1)["restarts"] == 5
     c.exit(W1, 137, Cause.NODE_LOSS)
-    c.assert_ended(JobState.FAILED, 137, (3, user_error(W1, 137, "NodeLost")))
+    c.assert_ended(JobState.FAILED, 137, (14, user_error(W1, 137, "NodeLost")))
     assert len(c.record["attempts"]) == 1
 
 
@@ -819,3 +819,50 @@ def test_property_random_outcomes_keep_budgets_and_always_end(
     c.cancel().tick(365 * DAY).fault(Cause.INTERNAL)
     assert c.machine.quota_granted(c.now) == [] and c.machine.no_capacity(c.now) == []
     assert c.record["state"] == final["state"] and c.record["error"] == final["error"]
+
+
+# --- strategy defaults and edge options ----------------------------------------------------
+
+def test_spot_preemption_budget_exhausted_fails_with_the_stockout_message() -> None:
+    """On Spot VMs a preemption surfaces as a stockout (PLATFORM.md section 2)."""
+    c = running(2, strategy=Strategy.SPOT)
+    for _ in range(7):
+        c.exit(W1, 143, Cause.PREEMPTION)
+    c.assert_ended(JobState.FAILED, 69, (8, STOCKOUT_MESSAGE))
+
+
+def test_the_strategy_alone_selects_the_platform_table() -> None:
+    from resilient_train.launcher.policy import Action, Outcome
+
+    spot = JobConfig("j", replica_names(2), strategy=Strategy.SPOT).rules
+    assert any(r.name == "7-spot-preemption" for r in spot.rules)
+    flex_rules = JobConfig("j", replica_names(2), strategy=Strategy.FLEX_START).rules
+    rule = flex_rules.first_match(Outcome(None, False, Cause.STOCKOUT, None))
+    assert rule is not None and rule.steps[0].action is Action.WAIT_FOR_CAPACITY
+
+
+def test_restart_job_on_worker_restart_never_restarts_a_finished_worker() -> None:
+    c = running(3, restart_job_on_worker_restart=True)
+    c.exit(W2, 0)                                          # done, rule 2
+    c.exit(W1, 137, Cause.NODE_LOSS)
+    assert set(c.alive) == {PRIMARY, W1}
+    assert c.replica(W2)["status"] == "done"
+
+
+def test_flex_start_bounds_the_wait_for_busy_local_quota_too() -> None:
+    c = FakeCluster(2, capacity="busy", strategy=Strategy.FLEX_START, max_wait=HOUR).launch()
+    assert c.state is JobState.QUEUED
+    c.tick(HOUR)
+    c.assert_ended(JobState.FAILED, 69, (8, STOCKOUT_MESSAGE))
+
+
+def test_standard_strategy_waits_for_busy_quota_without_limit() -> None:
+    c = FakeCluster(2, capacity="busy").launch().tick(365 * DAY)
+    assert c.state is JobState.QUEUED
+    c.set_capacity("free")
+    assert c.state is JobState.RUNNING
+
+
+def test_timeout_zero_means_no_timeout() -> None:
+    c = running(2, timeout=0).tick(365 * DAY)
+    assert c.state is JobState.RUNNING and c.machine.next_deadline() is None

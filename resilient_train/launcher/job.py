@@ -19,6 +19,7 @@ from .messages import (
     JobError,
     JobState,
     cancelled_error,
+    infrastructure_error,
     internal_error,
     oom_error,
     stockout_error,
@@ -36,12 +37,16 @@ PRIMARY = "workerpool0-0"
 class JobConfig:
     name: str
     replicas: tuple[str, ...]  # rank order; replicas[0] is the primary
-    policy: Policy = field(default_factory=default_policy)
+    policy: Policy | None = None   # None: the platform's table for ``strategy``
     strategy: Strategy = Strategy.STANDARD
     restart_job_on_worker_restart: bool = False
-    timeout: float | None = 7 * 24 * 3600.0   # from the first RUNNING; None = no limit
+    timeout: float | None = 7 * 24 * 3600.0   # from the first RUNNING; None or 0 = no limit
     max_wait: float | None = 24 * 3600.0      # FLEX_START wait for capacity; None or 0 = forever
     region: str = "local"
+
+    @property
+    def rules(self) -> Policy:
+        return self.policy if self.policy is not None else default_policy(self.strategy)
 
 
 # --- commands for the process layer -------------------------------------------------
@@ -139,6 +144,8 @@ class JobMachine:
         self._restarts_in_job: Counter[str] = Counter()
         self._after_stop: _AfterStop | None = None
         self._waiting_since: float | None = None   # FLEX_START wait for capacity
+        self._stockout_waiting = False
+        self._policy = config.rules
         self._event(now, "state", f"job {config.name}: {self.state.value}", state=self.state.value)
 
     # --- queries ----------------------------------------------------------------------
@@ -173,7 +180,7 @@ class JobMachine:
     def next_deadline(self) -> float | None:
         """When ``tick`` next has something to do (timeout or end of a capacity wait)."""
         times = []
-        if self.config.timeout is not None and self.start_time is not None and not self.state.terminal:
+        if self.config.timeout and self.start_time is not None and not self.state.terminal:
             times.append(self.start_time + self.config.timeout)
         if self._waiting_since is not None and self.config.max_wait:
             times.append(self._waiting_since + self.config.max_wait)
@@ -181,7 +188,7 @@ class JobMachine:
 
     def budget_summary(self) -> dict[str, dict[str, Any]]:
         out = {}
-        for name, b in self.config.policy.budgets.items():
+        for name, b in self._policy.budgets.items():
             if b.scope == JOB_SCOPE:
                 used = self.budget_used[name]
             else:
@@ -193,17 +200,21 @@ class JobMachine:
     # --- events -----------------------------------------------------------------------
 
     def start(self, now: float) -> list[Command]:
+        if self.config.strategy is Strategy.FLEX_START:
+            # Flex-start: waiting for capacity, local quota included, is bounded by max_wait.
+            self._waiting_since = now
         return [RequestCapacity()]
 
     def quota_granted(self, now: float) -> list[Command]:
         if self.state is not JobState.QUEUED:
             return []
         self._waiting_since = None
+        self._stockout_waiting = False
         return self._new_attempt(now)
 
     def no_capacity(self, now: float) -> list[Command]:
         """The job asks for more than the machine has: a stockout before any worker starts."""
-        if self.state is not JobState.QUEUED or self._waiting_since is not None:
+        if self.state is not JobState.QUEUED or self._stockout_waiting:
             return []
         self._event(now, "stockout", f"job {self.config.name}: stockout: the request exceeds "
                     f"what this machine has")
@@ -263,7 +274,7 @@ class JobMachine:
         if self.state.terminal:
             return []
         timeout = self.config.timeout
-        if (timeout is not None and self.start_time is not None
+        if (timeout and self.start_time is not None
                 and now >= self.start_time + timeout
                 and not (self._after_stop and self._after_stop.kind == "terminal")):
             self._event(now, "timeout", f"job {self.config.name}: timeout of {timeout:g} s reached")
@@ -283,7 +294,7 @@ class JobMachine:
         if self._after_stop is not None:
             # Already winding down (a retry or a terminal decision): late exits change nothing.
             return self._maybe_finish_stop(now)
-        rule = self.config.policy.first_match(outcome)
+        rule = self._policy.first_match(outcome)
         step = self._take_step(rule.steps if rule else (), outcome)
         rule_name = rule.name if rule else "no rule matched"
         who = outcome.replica or f"job {self.config.name}"
@@ -315,7 +326,7 @@ class JobMachine:
                 if step.action is Action.RESTART_WORKER and outcome.replica is not None:
                     self.attempts[-1].replicas[outcome.replica].uncounted_restarts += 1
                 return step
-            budget = self.config.policy.budgets[step.budget]
+            budget = self._policy.budgets[step.budget]
             if budget.scope == JOB_SCOPE:
                 if self.budget_used[step.budget] < budget.limit:
                     self.budget_used[step.budget] += 1
@@ -330,7 +341,7 @@ class JobMachine:
     def _budget_note(self, step: Step | None, outcome: Outcome) -> str:
         if step is None or step.budget is None:
             return ""
-        budget = self.config.policy.budgets[step.budget]
+        budget = self._policy.budgets[step.budget]
         if budget.scope == JOB_SCOPE:
             used = self.budget_used[step.budget]
         else:
@@ -343,12 +354,18 @@ class JobMachine:
         replica = outcome.replica or self.config.replicas[0]
         if outcome.cause is Cause.OOM:
             return oom_error(replica, code)
-        if outcome.cause is Cause.STOCKOUT:
+        if outcome.cause is Cause.STOCKOUT or (
+                outcome.cause is Cause.PREEMPTION and self.config.strategy is Strategy.SPOT):
+            # A Spot preemption surfaces as a stockout (PLATFORM.md section 2).
             return stockout_error(self.config.region)
         if outcome.cause is Cause.INTERNAL:
             return internal_error()
-        reason = {Cause.START_ERROR: "StartError", Cause.MAINTENANCE: "Maintenance",
-                  Cause.PREEMPTION: "Preempted", Cause.NODE_LOSS: "NodeLost"}.get(outcome.cause, "Error")
+        if outcome.cause in (Cause.PREEMPTION, Cause.NODE_LOSS, Cause.MAINTENANCE):
+            # Not the user's code: the infrastructure's budgets ran out.
+            return infrastructure_error(replica, code, {
+                Cause.PREEMPTION: "Preempted", Cause.NODE_LOSS: "NodeLost",
+                Cause.MAINTENANCE: "Maintenance"}[outcome.cause])
+        reason = "StartError" if outcome.cause is Cause.START_ERROR else "Error"
         return user_code_error(replica, code, reason, excerpt)
 
     def _restart_worker(self, replica: str, now: float) -> list[Command]:
@@ -403,7 +420,8 @@ class JobMachine:
         self._after_stop = None
         if after.kind == "restart_all":
             assert att is not None
-            return [self._start(name, now) for name in att.replicas]
+            # A worker that finished (exit 0) is never restarted.
+            return [self._start(name, now) for name, r in att.replicas.items() if r.status != DONE]
         if att is not None:
             att.end_time = now
             att.result = after.reason
@@ -412,6 +430,7 @@ class JobMachine:
             return self._new_attempt(now) if att is not None else [RequestCapacity()]
         if after.kind == "requeue":
             self._waiting_since = now
+            self._stockout_waiting = True
             self._set_state(JobState.QUEUED, now)
             return [RequestCapacity()]
         assert after.state is not None

@@ -26,6 +26,7 @@ CODE_INVALID_ARGUMENT = 3  # user code failures, as the platform reports them
 CODE_DEADLINE_EXCEEDED = 4
 CODE_RESOURCE_EXHAUSTED = 8
 CODE_INTERNAL = 13
+CODE_UNAVAILABLE = 14  # infrastructure faults that outlasted the restart budgets
 
 # The launcher's own exit status when the job did not succeed and no worker exit code
 # is the root cause (documented in the README).
@@ -55,6 +56,17 @@ def user_code_error(replica: str, exit_code: int, reason: str = "Error",
     if excerpt:
         message += "\n" + excerpt
     return JobError(CODE_INVALID_ARGUMENT, message, exit_code)
+
+
+def infrastructure_error(replica: str, exit_code: int, reason: str) -> JobError:
+    """Node loss, preemption or maintenance after the budgets ran out: the user-code template
+    (the platform's wording for a replica's exit), but not the user's fault, so not code 3."""
+    return JobError(
+        CODE_UNAVAILABLE,
+        f"The replica {replica} exited with a non-zero status of {exit_code}. "
+        f"Termination reason: {reason}.",
+        exit_code or 1,
+    )
 
 
 def oom_error(replica: str, exit_code: int) -> JobError:

@@ -39,7 +39,7 @@ from .job import (
     StopWorkers,
 )
 from .messages import STATUS_INTERNAL, JobState
-from .policy import Cause, Policy, Strategy, default_policy
+from .policy import Cause, Policy, Strategy
 from .quota import Capacity, Lease, LocalQuota, Request, default_quota_dir
 from .record import JOB_FILE, log_path, report_path, write_json_atomic
 from .resources import detect_gpus, process_tree
@@ -79,7 +79,7 @@ class LaunchOptions:
     start_jitter: float = 0.0              # max random delay before each worker starts
     grace: float = 10.0                    # SIGTERM -> SIGKILL on stop, cancel, faults
     chaos: ChaosSpec = field(default_factory=ChaosSpec)
-    policy: Policy = field(default_factory=default_policy)
+    policy: Policy | None = None           # None: the platform's table for `strategy`
     strategy: Strategy = Strategy.STANDARD
     restart_job_on_worker_restart: bool = False
     timeout: float | None = 7 * 24 * 3600.0
