@@ -181,55 +181,21 @@ def _pdeathsig_preexec(launcher_pid: int) -> Callable[[], None]:
     return preexec
 
 
-# The watchdog: a tiny process in its own session that outlives a SIGKILLed launcher. Its
-# stdin is a pipe from the launcher. Each line "LIFE REPLICA ATTEMPT RESTART" says a worker
-# life is over: it SIGKILLs whatever still carries that life's environment. At EOF (the
-# launcher ended, or died) it SIGKILLs every process that carries the launch id. Workers
-# themselves die with the launcher by PR_SET_PDEATHSIG; this catches their descendants.
-_WATCHDOG = r"""# resilient-train launcher watchdog
-import os, signal, sys
-key = sys.argv[1].encode()
-me = os.getpid()
-
-def sweep(extra):
-    for _ in range(5):
-        hits = 0
-        for name in os.listdir("/proc"):
-            if not name.isdigit() or int(name) == me:
-                continue
-            try:
-                with open("/proc/" + name + "/environ", "rb") as f:
-                    env = f.read().split(b"\0")
-            except OSError:
-                continue
-            if key in env and all(e in env for e in extra):
-                try:
-                    os.kill(int(name), signal.SIGKILL)
-                    hits += 1
-                except OSError:
-                    pass
-        if not hits:
-            return
-
-for line in sys.stdin.buffer:
-    parts = line.split()
-    if len(parts) == 4 and parts[0] == b"LIFE":
-        sweep([b"RESILIENT_TRAIN_REPLICA=" + parts[1], b"RESILIENT_TRAIN_ATTEMPT=" + parts[2],
-               b"RESILIENT_TRAIN_RESTART_COUNT=" + parts[3]])
-sweep([])
-"""
-
-
 class _Watchdog:
+    """The launcher's side of ``watchdog.py``: one line per finished worker life."""
+
     def __init__(self, launch_id: str) -> None:
         self.proc: subprocess.Popen[bytes] | None = None
         if not sys.platform.startswith("linux") or not os.path.isdir("/proc"):
             return
         try:
             self.proc = subprocess.Popen(
-                [sys.executable, "-I", "-S", "-c", _WATCHDOG, f"{LAUNCH_ID_ENV}={launch_id}"],
+                [sys.executable, "-m", "resilient_train.launcher.watchdog",
+                 f"{LAUNCH_ID_ENV}={launch_id}"],
                 stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                env={}, start_new_session=True)
+                # Its own environment must not carry the launch id it sweeps for.
+                env={"PYTHONPATH": os.pathsep.join(p for p in sys.path if p)},
+                start_new_session=True)
         except OSError as exc:
             log.warning("no watchdog (%s): if the launcher is killed, workers' children may "
                         "survive it", exc)
