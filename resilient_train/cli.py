@@ -13,13 +13,14 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from .launcher.chaos import ChaosSpecError, load_chaos, parse_duration
-from .launcher.messages import STATUS_INTERNAL
+from .launcher.messages import STATUS_INTERNAL, JobState
 from .launcher.policy import PolicyError, Strategy, default_policy, load_policy, without_retries
 from .launcher.record import read_job
 from .launcher.resources import memory_limit_for, parse_memory
-from .launcher.runner import Launcher, LaunchError, LaunchOptions
+from .launcher.runner import Launcher, LaunchError, LaunchOptions, launcher_alive
 
 EXIT_USAGE = 2
+_TERMINAL = {s.value for s in JobState if s.terminal}
 
 EPILOG = """\
 exit status: 0 when the job SUCCEEDED; otherwise the root cause's exit code (a worker's
@@ -190,7 +191,10 @@ def _status(args: argparse.Namespace) -> int:
         print(json.dumps(job, indent=2))
         return 0
     print(f"job       {job['name']}")
-    print(f"state     {job['state']}")
+    stale = ""
+    if job["state"] not in _TERMINAL and launcher_alive(job) is False:
+        stale = "  (stale: its launcher is no longer running; the job was not finished)"
+    print(f"state     {job['state']}{stale}")
     print(f"created   {job['create_time']}")
     print(f"started   {job.get('start_time') or '-'}")
     print(f"ended     {job.get('end_time') or '-'}")

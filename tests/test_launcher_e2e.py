@@ -342,6 +342,24 @@ def test_primary_success_stops_a_hanging_worker(e2e: E2E) -> None:
     assert rec["start_time"] and rec["end_time"]
 
 
+def test_start_jitter_delays_each_worker_by_its_seeded_amount(e2e: E2E) -> None:
+    import random
+
+    e2e.primary_waits_for("workerpool1-0.a1.r0.ready", "workerpool1-1.a1.r0.ready")
+    status, rec, _ = e2e.launch("--workers", "3", "--start-jitter", "1.5s", "--seed", "7",
+                                script="hang.py")
+    assert (status, rec["state"]) == (0, "JOB_STATE_SUCCEEDED")
+    rng = random.Random(7)   # the launcher draws one delay per worker, in rank order
+    delays = {name: rng.uniform(0, 1.5) for name in (PRIMARY, "workerpool1-0", "workerpool1-1")}
+    pending = event_time(rec, "JOB_STATE_PENDING")
+    started = {name: event_time(rec, f"{name}: started") for name in delays}
+    for name, delay in delays.items():
+        assert started[name] - pending >= delay - 0.01, (name, started, delays)
+    # Workers start in the order of their delays, not in rank order; RUNNING waits for all.
+    assert sorted(started, key=started.__getitem__) == sorted(delays, key=delays.__getitem__)
+    assert event_time(rec, "JOB_STATE_RUNNING") >= max(started.values())
+
+
 def test_a_bug_fails_the_job_at_once_with_the_traceback(e2e: E2E) -> None:
     status, rec, _ = e2e.launch("--workers", "2", script="raise_bug.py",
                                 script_args=("workerpool1-0",))
@@ -540,6 +558,10 @@ def test_sigkilled_launcher_leaves_no_workers(e2e: E2E, setsid: bool) -> None:
         proc.kill()
         proc.wait()
     # The fixture waits (with a deadline) until no process with the marker is left.
+    # The record still says RUNNING; `status` tells a person it is stale.
+    assert cli.main(["status", str(e2e.job_dir())]) == 0
+    out = e2e.capsys.readouterr().out
+    assert "JOB_STATE_RUNNING  (stale: its launcher is no longer running" in out
 
 
 # --------------------------------------------------------------------------- quota

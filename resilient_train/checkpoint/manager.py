@@ -237,7 +237,7 @@ class CheckpointManager:
     def __enter__(self) -> CheckpointManager:
         return self
 
-    def __exit__(self, *exc: Any) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.close()
 
     def _raise_error(self) -> None:
@@ -485,7 +485,7 @@ def scan(storage: Storage, *, with_manifest: bool = True) -> list[StepInfo]:
     """Every step directory (committed or not) under the root, oldest first."""
     infos = []
     for child in storage.listdir(""):
-        base = child[len(TMP_PREFIX):] if child.startswith(TMP_PREFIX) else child
+        base = child.removeprefix(TMP_PREFIX)
         step = parse_step(base)
         if step is None:
             continue

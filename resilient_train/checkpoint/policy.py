@@ -52,7 +52,7 @@ class _All(SavePolicy):
 
 
 @dataclass(frozen=True)
-class every_n_steps(SavePolicy):  # noqa: N801 - reads like tenacity's stop_after_attempt
+class every_n_steps(SavePolicy):
     n: int
 
     def __post_init__(self) -> None:
@@ -64,7 +64,7 @@ class every_n_steps(SavePolicy):  # noqa: N801 - reads like tenacity's stop_afte
 
 
 @dataclass(frozen=True)
-class every(SavePolicy):  # noqa: N801
+class every(SavePolicy):
     """At most ``seconds`` after the last commit (the platform asks for 4 hours)."""
 
     seconds: float = FOUR_HOURS
@@ -78,7 +78,7 @@ class every(SavePolicy):  # noqa: N801
 
 
 @dataclass(frozen=True)
-class never(SavePolicy):  # noqa: N801
+class never(SavePolicy):
     def should_save(self, ctx: SaveContext) -> bool:
         return False
 

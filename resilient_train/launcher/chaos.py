@@ -127,7 +127,7 @@ _UNIT_SECONDS = {None: 1.0, "ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0}
 _TARGET_RE = re.compile(r"^[A-Za-z0-9_.-]+$")
 
 
-def parse_duration(text: str | float | int) -> float:
+def parse_duration(text: str | float) -> float:
     """Seconds from ``500ms``, ``20s``, ``1.5m``, ``2h`` or a bare (non-negative) number."""
     if isinstance(text, bool):
         raise ValueError(f"expected a duration like 20s, found {text!r}")
@@ -357,8 +357,9 @@ class ChaosSchedule:
     def __init__(self, spec: ChaosSpec, replicas: Sequence[str]) -> None:
         self.spec = spec
         self.replicas: tuple[str, ...] = tuple(sorted(replicas, key=_rank_key))
-        for fault in (*spec.faults, *spec.random):
-            self._resolve(fault.kind, fault.target, None)  # validate before anything runs
+        items: tuple[Fault | RandomFault, ...] = (*spec.faults, *spec.random)
+        for item in items:
+            self._resolve(item.kind, item.target, None)  # validate before anything runs
         rng = random.Random(spec.seed)
         # Heap entries: (time, source order, sequence in source, fault); ties break stably.
         self._heap: list[tuple[float, int, int, ScheduledFault]] = []

@@ -26,7 +26,7 @@ from .messages import (
     timeout_error,
     user_code_error,
 )
-from .policy import Action, Cause, JOB_SCOPE, Outcome, Policy, Step, Strategy, default_policy
+from .policy import JOB_SCOPE, Action, Cause, Outcome, Policy, Step, Strategy, default_policy
 
 log = logging.getLogger(__name__)
 
@@ -287,6 +287,18 @@ class JobMachine:
             self.error = stockout_error(self.config.region)
             return self._finish(JobState.FAILED, now)
         return []
+
+    def note(self, now: float, message: str, kind: str = "fault") -> None:
+        """An event from the process layer (an injected fault, a memory reading)."""
+        self._event(now, kind, message)
+
+    def launcher_failed(self, now: float) -> None:
+        """The launcher itself crashed: the job ends FAILED with the internal error."""
+        if self.state.terminal:
+            return
+        self.error = internal_error()
+        self.end_time = now
+        self._set_state(JobState.FAILED, now)
 
     # --- decisions --------------------------------------------------------------------
 

@@ -262,6 +262,7 @@ class Launcher:
             job_dir=str(job_dir_abs), launch_id=uuid.uuid4().hex)
         self._watchdog: _Watchdog | None = None
         self.workers: dict[str, _Worker] = {}
+        self._launcher_started = _process_start_time(os.getpid())
         self._delayed: list[tuple[float, StartWorker]] = []
         self._pending_faults: list[ScheduledFault] = []
         self._rng = random.Random(options.seed)
@@ -336,10 +337,13 @@ class Launcher:
             "master_port": self.env.master_port,
         }
         rec["job_dir"] = str(self.job_dir)
+        # Lets `status` tell a live job from the record of a launcher that was killed.
+        rec["launcher"] = {"pid": os.getpid(), "host": socket.gethostname(),
+                           "started": self._launcher_started}
         return rec
 
     def note(self, message: str) -> None:
-        self.machine._event(self.clock(), "fault", message)  # noqa: SLF001 - shared event log
+        self.machine.note(self.clock(), message)
 
     # --- the loop ---------------------------------------------------------------------
 
@@ -362,11 +366,7 @@ class Launcher:
             # The launcher itself failed: no worker may outlive it, and the record says why.
             log.exception("launcher failed")
             self._kill_everything()
-            if not self.machine.state.terminal:
-                from .messages import internal_error
-                self.machine.error = internal_error()
-                self.machine.end_time = self.clock()
-                self.machine._set_state(JobState.FAILED, self.clock())  # noqa: SLF001
+            self.machine.launcher_failed(self.clock())
             self._flush_events()
             if isinstance(exc, KeyboardInterrupt):
                 return STATUS_INTERNAL
@@ -673,6 +673,23 @@ class Launcher:
                 pass
             w.finish(self._sweep)
             del self.workers[name]
+
+
+def _process_start_time(pid: int) -> float | None:
+    try:
+        return psutil.Process(pid).create_time()
+    except psutil.Error:
+        return None
+
+
+def launcher_alive(record: Mapping[str, Any]) -> bool | None:
+    """Whether the launcher that writes this record still runs (None: cannot tell here)."""
+    info = record.get("launcher") or {}
+    if info.get("host") != socket.gethostname() or not info.get("pid"):
+        return None
+    started = _process_start_time(int(info["pid"]))
+    return started is not None and (info.get("started") is None
+                                    or abs(started - float(info["started"])) < 1.0)
 
 
 def _cpu_slots(env: Mapping[str, str]) -> int:
