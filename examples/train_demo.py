@@ -80,8 +80,8 @@ def train(ddp: nn.Module, model: nn.Module, opt: torch.optim.Optimizer, ckpt: Pa
 
 def main() -> None:
     p = argparse.ArgumentParser()
-    p.add_argument("--steps", type=int, default=200)
-    p.add_argument("--save-every", type=int, default=20)
+    p.add_argument("--steps", type=int, default=300)
+    p.add_argument("--save-every", type=int, default=10)
     p.add_argument("--step-time", type=float, default=0.05, help="extra seconds per step, "
                    "so faults land mid-training")
     p.add_argument("--checkpoint-dir", default=os.environ.get("AIP_CHECKPOINT_DIR", "checkpoints"))

@@ -89,6 +89,15 @@ def _parser() -> argparse.ArgumentParser:
     lp.add_argument("--quiet", action="store_true", help="do not echo worker output")
     lp.add_argument("command", nargs=argparse.REMAINDER)
 
+    cp = sub.add_parser("checkpoints", help="list, verify or prune a checkpoint directory")
+    cp.add_argument("action", choices=["list", "verify", "prune"])
+    cp.add_argument("directory", help="local path, gs://bucket/prefix, or any fsspec URL")
+    cp.add_argument("--step", type=int, help="verify: only this step")
+    cp.add_argument("--keep-last", type=int, default=3, help="prune: committed steps to keep")
+    cp.add_argument("--milestone-every-steps", type=int, help="prune: also keep these steps")
+    cp.add_argument("--dry-run", action="store_true", help="prune: only print what would go")
+    cp.add_argument("--json", action="store_true", help="machine-readable output")
+
     sp = sub.add_parser("status", help="print a job's record for a person")
     sp.add_argument("job_dir", type=Path)
     sp.add_argument("--json", action="store_true", help="print job.json as is")
@@ -103,6 +112,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                         format="%(levelname)s %(name)s: %(message)s")
     if args.cmd == "launch":
         return _launch(args, parser)
+    if args.cmd == "checkpoints":
+        from .checkpoint_cli import run_checkpoints  # imports torch: only when asked
+
+        return run_checkpoints(args)
     return _status(args)
 
 

@@ -294,22 +294,7 @@ class CheckpointManager:
     # --- what to keep -----------------------------------------------------------------
 
     def _apply_retention(self) -> None:
-        infos = scan(self.storage)
-        committed = [i for i in infos if i.committed]
-        if not committed:
-            return
-        latest = max(i.step for i in committed)
-        times = {i.name: (i.created or 0.0) for i in committed}
-        doomed = set(to_delete([CommittedStep(i.step, times[i.name]) for i in committed],
-                               self.options.retention))
-        for info in infos:
-            if info.committed and info.step in doomed:
-                log.info("retention: deleting step %d", info.step)
-                self.storage.delete(info.name, recursive=True)
-            elif not info.committed and info.step < latest and self._token not in info.name:
-                # An uncommitted leftover of a crashed save, older than the latest commit.
-                log.info("deleting uncommitted leftover %s", info.name)
-                self.storage.delete(info.name, recursive=True)
+        prune(self.storage, self.options.retention, protect=self._token)
 
     # --- restoring --------------------------------------------------------------------
 
@@ -500,6 +485,34 @@ def scan(storage: Storage, *, with_manifest: bool = True) -> list[StepInfo]:
                 info = StepInfo(step, child, True, (str(exc),))
         infos.append(info)
     return sorted(infos, key=lambda i: (i.step, i.name))
+
+
+def prune(storage: Storage, retention: RetentionPolicy, *, protect: str | None = None,
+          dry_run: bool = False) -> list[str]:
+    """Apply retention to committed steps and drop uncommitted leftovers older than the
+    latest commit (crashed saves). Never deletes without a newer commit, nor a directory
+    whose name carries ``protect`` (a save in flight). Returns the names deleted."""
+    infos = scan(storage)
+    committed = [i for i in infos if i.committed]
+    if not committed:
+        return []
+    latest = max(i.step for i in committed)
+    doomed = set(to_delete([CommittedStep(i.step, i.created or 0.0) for i in committed],
+                           retention))
+    removed = []
+    for info in infos:
+        if info.committed and info.step in doomed:
+            reason = "retention"
+        elif (not info.committed and info.step < latest
+              and (protect is None or protect not in info.name)):
+            reason = "uncommitted leftover"
+        else:
+            continue
+        log.info("deleting %s (%s)", storage.url_of(info.name), reason)
+        if not dry_run:
+            storage.delete(info.name, recursive=True)
+        removed.append(info.name)
+    return removed
 
 
 def verify_step(storage: Storage, info: StepInfo) -> StepInfo:

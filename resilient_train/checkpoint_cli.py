@@ -1,0 +1,81 @@
+"""``resilient-train checkpoints list|verify|prune DIR``: printing only."""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import sys
+from typing import Any
+
+from .checkpoint.manager import StepInfo, prune, scan, verify_step
+from .checkpoint.retention import RetentionPolicy
+from .checkpoint.storage import Storage, StorageError
+
+EXIT_OK, EXIT_PROBLEMS, EXIT_USAGE = 0, 1, 2
+
+
+def _when(t: float | None) -> str:
+    return "-" if t is None else datetime.datetime.fromtimestamp(t).strftime("%Y-%m-%d %H:%M:%S")
+
+
+def _size(n: int | None) -> str:
+    if n is None:
+        return "-"
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024  # type: ignore[assignment]
+    return str(n)
+
+
+def _row(info: StepInfo) -> dict[str, Any]:
+    return {"step": info.step, "name": info.name, "committed": info.committed, "ok": info.ok,
+            "created": info.created, "world_size": info.world_size,
+            "size_bytes": info.size_bytes, "problems": list(info.problems)}
+
+
+def _print(infos: list[StepInfo], as_json: bool) -> None:
+    if as_json:
+        print(json.dumps([_row(i) for i in infos], indent=2))
+        return
+    if not infos:
+        print("no checkpoints")
+        return
+    print(f"{'step':>12}  {'state':11}  {'created':19}  {'ranks':>5}  {'size':>10}  name")
+    for i in infos:
+        state = "ok" if i.ok else ("CORRUPT" if i.committed else "uncommitted")
+        print(f"{i.step:>12}  {state:11}  {_when(i.created):19}  {i.world_size or '-':>5}  "
+              f"{_size(i.size_bytes):>10}  {i.name}")
+        for p in i.problems:
+            print(f"{'':>14}- {p}")
+
+
+def run_checkpoints(args: argparse.Namespace) -> int:
+    try:
+        storage = Storage(args.directory)
+        infos = scan(storage)
+        if args.action == "list":
+            _print(infos, args.json)
+            return EXIT_OK
+        if args.action == "verify":
+            chosen = [i for i in infos if args.step is None or i.step == args.step]
+            if args.step is not None and not chosen:
+                print(f"resilient-train checkpoints: error: no step {args.step} in "
+                      f"{storage.url}", file=sys.stderr)
+                return EXIT_USAGE
+            checked = [verify_step(storage, i) for i in chosen if i.committed]
+            _print(checked, args.json)
+            return EXIT_OK if all(i.ok for i in checked) else EXIT_PROBLEMS
+        retention = RetentionPolicy(keep_last=args.keep_last,
+                                    milestone_every_steps=args.milestone_every_steps)
+        removed = prune(storage, retention, dry_run=args.dry_run)
+        verb = "would delete" if args.dry_run else "deleted"
+        if args.json:
+            print(json.dumps({"dry_run": args.dry_run, "deleted": removed}))
+        else:
+            print(f"{verb} {len(removed)}: {', '.join(removed) or 'nothing'}")
+        return EXIT_OK
+    except (StorageError, ValueError) as exc:
+        print(f"resilient-train checkpoints: error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
