@@ -1,3 +1,52 @@
-"""resilient-train: PyTorch training that survives restarts, preemptions and crashes."""
+"""resilient-train: PyTorch training that survives restarts, preemptions and crashes.
+
+The light parts (exit codes, cluster environment) import at once; the parts that need
+torch load on first use, so the launcher and the CLI start fast.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+from .cluster import ClusterInfo, ClusterSpecError
+from .errors import (
+    EXIT_PERMANENT,
+    EXIT_TRANSIENT,
+    PermanentError,
+    TransientError,
+    exit_permanent,
+    exit_transient,
+    record,
+)
 
 __version__ = "0.1.0"
+
+_LAZY = {
+    "CheckpointManager": "resilient_train.checkpoint.manager",
+    "CheckpointOptions": "resilient_train.checkpoint.manager",
+    "RetentionPolicy": "resilient_train.checkpoint.retention",
+    "every_n_steps": "resilient_train.checkpoint.policy",
+    "every": "resilient_train.checkpoint.policy",
+    "RetryOptions": "resilient_train.checkpoint.storage",
+}
+
+__all__ = [
+    "EXIT_PERMANENT", "EXIT_TRANSIENT", "ClusterInfo", "ClusterSpecError", "PermanentError",
+    "TransientError", "exit_permanent", "exit_transient", "record", *_LAZY,
+]
+
+if TYPE_CHECKING:
+    from .checkpoint.manager import CheckpointManager, CheckpointOptions
+    from .checkpoint.policy import every, every_n_steps
+    from .checkpoint.retention import RetentionPolicy
+    from .checkpoint.storage import RetryOptions
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'resilient_train' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value

@@ -1,0 +1,166 @@
+"""Save policy, retention, manifest and the `checkpoints` CLI (local disk, real files)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from resilient_train import cli
+from resilient_train.checkpoint.manager import CheckpointManager, CheckpointOptions
+from resilient_train.checkpoint.manifest import (
+    CorruptCheckpointError,
+    FileEntry,
+    Manifest,
+    check_marker,
+    marker_bytes,
+    parse_step,
+    step_dirname,
+)
+from resilient_train.checkpoint.policy import (
+    FOUR_HOURS,
+    SaveContext,
+    default_save_policy,
+    every,
+    every_n_steps,
+    never,
+)
+from resilient_train.checkpoint.retention import CommittedStep, RetentionPolicy, to_delete
+
+
+def ctx(step: int, now: float = 0.0, last_step: int | None = None, last_time: float = 0.0
+        ) -> SaveContext:
+    return SaveContext(step, now, last_step, last_time)
+
+
+# --- when to save -------------------------------------------------------------------------
+
+def test_every_n_steps_saves_on_multiples_once() -> None:
+    p = every_n_steps(10)
+    assert [s for s in range(1, 35) if p.should_save(ctx(s))] == [10, 20, 30]
+    assert not p.should_save(ctx(20, last_step=20))      # already saved this step
+
+
+def test_every_saves_at_most_the_interval_after_the_last_commit() -> None:
+    p = every(60)
+    assert not p.should_save(ctx(5, now=59.9, last_time=0))
+    assert p.should_save(ctx(5, now=60, last_time=0))
+    assert not p.should_save(ctx(5, now=60, last_step=5, last_time=0))
+
+
+def test_or_and_compose_like_tenacity() -> None:
+    p = every_n_steps(100) | every(3600)
+    assert p.should_save(ctx(100, now=1))                 # steps first
+    assert p.should_save(ctx(7, now=3600))                # time first
+    assert not p.should_save(ctx(7, now=10))
+    both = every_n_steps(2) & every(10)
+    assert not both.should_save(ctx(2, now=5)) and both.should_save(ctx(4, now=10))
+    assert not never().should_save(ctx(100, now=1e9))
+
+
+def test_default_policy_is_steps_or_four_hours() -> None:
+    p = default_save_policy(500)
+    assert p.should_save(ctx(500)) and p.should_save(ctx(3, now=FOUR_HOURS))
+    assert not p.should_save(ctx(3, now=FOUR_HOURS - 1))
+    assert default_save_policy().should_save(ctx(3, now=FOUR_HOURS))
+    with pytest.raises(ValueError, match="n >= 1"):
+        every_n_steps(0)
+    with pytest.raises(ValueError, match="positive"):
+        every(0)
+
+
+# --- what to keep -------------------------------------------------------------------------
+
+def steps(*numbers: int) -> list[CommittedStep]:
+    return [CommittedStep(n, float(n)) for n in numbers]
+
+
+def test_retention_keeps_the_last_k() -> None:
+    assert to_delete(steps(1, 2, 3, 4, 5), RetentionPolicy(keep_last=3)) == [1, 2]
+    assert to_delete(steps(7), RetentionPolicy(keep_last=1)) == []
+    with pytest.raises(ValueError, match="one committed step always stays"):
+        RetentionPolicy(keep_last=0)
+
+
+def test_retention_keeps_step_and_time_milestones_forever() -> None:
+    policy = RetentionPolicy(keep_last=1, milestone_every_steps=100)
+    assert to_delete(steps(50, 100, 150, 200, 250), policy) == [50, 150]
+    timed = RetentionPolicy(keep_last=1, milestone_every_seconds=100)
+    # commits at t=10, 20 (same window), 110, 120 (next window), 130: the first of each stays
+    commits = [CommittedStep(s, t) for s, t in [(1, 10), (2, 20), (3, 110), (4, 120), (5, 130)]]
+    assert to_delete(commits, timed) == [2, 4]
+
+
+# --- manifest -----------------------------------------------------------------------------
+
+def test_step_names_round_trip() -> None:
+    assert step_dirname(1200) == "step-000000001200"
+    assert parse_step("step-000000001200") == 1200
+    assert parse_step("step-000000001200-0a1b2c3d") == 1200
+    assert parse_step("gs://b/p/step-000000001200/") == 1200
+    assert parse_step("step-12") is None and parse_step("notes.txt") is None
+    with pytest.raises(ValueError):
+        step_dirname(-1)
+
+
+def test_manifest_and_marker_detect_tampering() -> None:
+    m = Manifest(step=3, world_size=2, layout="replicated",
+                 files={"shared.pt": FileEntry(10, "abcd1234")}, metadata={"lr": 0.1})
+    data = m.to_bytes()
+    again = Manifest.from_bytes(data, "x")
+    assert again.files == m.files and again.metadata == {"lr": 0.1}
+    marker = marker_bytes(data, 3)
+    check_marker(marker, data, 3, "x")
+    with pytest.raises(CorruptCheckpointError, match="does not match the manifest"):
+        check_marker(marker, data.replace(b"abcd1234", b"abcd1235"), 3, "x")
+    with pytest.raises(CorruptCheckpointError, match="does not match"):
+        check_marker(marker, data, 4, "x")
+    with pytest.raises(CorruptCheckpointError, match="unreadable"):
+        Manifest.from_bytes(b"{not json", "x")
+
+
+# --- the CLI ------------------------------------------------------------------------------
+
+def saved_dir(tmp_path: Path, n_steps: int = 4) -> Path:
+    directory = tmp_path / "ckpt"
+    model = torch.nn.Linear(3, 2)
+    with CheckpointManager(directory, options=CheckpointOptions(
+            save_every_steps=1, async_save=False)) as mgr:
+        mgr.track(model=model)
+        for step in range(1, n_steps + 1):
+            mgr.maybe_save(step)
+    return directory
+
+
+def test_cli_list_verify_and_prune(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    directory = saved_dir(tmp_path)          # retention keeps the last 3: steps 2, 3, 4
+    assert cli.main(["checkpoints", "list", str(directory), "--json"]) == 0
+    listed = json.loads(capsys.readouterr().out)
+    assert [r["step"] for r in listed] == [2, 3, 4] and all(r["ok"] for r in listed)
+
+    assert cli.main(["checkpoints", "verify", str(directory)]) == 0
+    assert capsys.readouterr().out.count(" ok ") == 3
+
+    shard = directory / step_dirname(4) / "shared.pt"
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0xFF                        # a flipped byte, same size
+    shard.write_bytes(bytes(data))
+    assert cli.main(["checkpoints", "verify", str(directory)]) == 1
+    out = capsys.readouterr().out
+    assert "CORRUPT" in out and "checksum mismatch" in out
+
+    assert cli.main(["checkpoints", "prune", str(directory), "--keep-last", "1",
+                     "--dry-run"]) == 0
+    assert "would delete 2" in capsys.readouterr().out
+    assert sorted(p.name for p in directory.iterdir()) == [step_dirname(s) for s in (2, 3, 4)]
+    assert cli.main(["checkpoints", "prune", str(directory), "--keep-last", "1"]) == 0
+    assert sorted(p.name for p in directory.iterdir()) == [step_dirname(4)]
+
+
+def test_cli_verify_of_a_missing_step_is_a_usage_error(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    directory = saved_dir(tmp_path, 1)
+    assert cli.main(["checkpoints", "verify", str(directory), "--step", "99"]) == 2
+    assert "no step 99" in capsys.readouterr().err
