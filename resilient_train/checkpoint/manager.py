@@ -47,6 +47,7 @@ from .manifest import (
 )
 from .policy import FOUR_HOURS, SaveContext, SavePolicy, default_save_policy
 from .retention import CommittedStep, RetentionPolicy, to_delete
+from .sharded import SHARDED_LAYOUT, ShardedCheckpointer
 from .state import HostSnapshot, capture_rng, check_weights_only, collect, restore, restore_rng
 from .storage import RetryOptions, Storage
 
@@ -134,6 +135,7 @@ class CheckpointManager:
         self._tracked: dict[str, Any] = {}
         self.values: dict[str, Any] = {}
         self._snapshot = HostSnapshot()
+        self._sharded = ShardedCheckpointer(self.coord)  # FSDP2 / DTensor state: sharded.py
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rt-ckpt-writer")
         self._inflight: Future[None] | None = None
         self._error: BaseException | None = None
@@ -205,10 +207,13 @@ class CheckpointManager:
         self.wait()
         t0 = time.perf_counter()
         tree: dict[str, Any] = {"rank": {"rng": capture_rng(), "values": dict(self.values)}}
+        staged = self._sharded.stage(self._tracked)  # None unless some state is a DTensor
         if self.is_primary:
-            tree["shared"] = collect(self._tracked)
+            tree["shared"] = staged.replicated if staged else collect(self._tracked)
         check_weights_only(tree, where="checkpoint state")
         snap = self._snapshot.snapshot(tree)
+        if staged is not None:
+            snap["dcp"] = staged  # already a host copy: DCP's stager made it
         self.last_blocking_s = time.perf_counter() - t0
         self.last_saved_step = step
         self._last_save_time = self._shared_now if self.world_size > 1 else self.clock()
@@ -230,6 +235,7 @@ class CheckpointManager:
             self.wait()
         finally:
             self._executor.shutdown(wait=True)
+            self._sharded.close()
             if self._old_sigterm is not None:
                 signal.signal(signal.SIGTERM, self._old_sigterm)
                 self._old_sigterm = None
@@ -261,13 +267,16 @@ class CheckpointManager:
             entries[SHARED_FILE] = self._write_file(f"{work}/{SHARED_FILE}", snap["shared"])
         entries[rank_file(self.rank)] = self._write_file(f"{work}/{rank_file(self.rank)}",
                                                          snap["rank"])
+        if "dcp" in snap:  # sharded layout: dcp.save (collective), then this rank's files
+            entries.update(self._sharded.write(self.storage, work, snap["dcp"]))
         gathered = self.coord.gather(entries)
         if gathered is None:
             return  # only the primary commits
         files: dict[str, FileEntry] = {}
         for part in gathered:
             files.update(part)
-        manifest = Manifest(step=step, world_size=self.world_size, layout="replicated",
+        layout = SHARDED_LAYOUT if "dcp" in snap else "replicated"
+        manifest = Manifest(step=step, world_size=self.world_size, layout=layout,
                             files=files, library=f"resilient-train {__version__}",
                             metadata=dict(self.options.metadata))
         data = manifest.to_bytes()
@@ -275,11 +284,17 @@ class CheckpointManager:
         self.storage.write_bytes(f"{work}/{MARKER}", marker_bytes(data, step))
         if self.storage.atomic_rename:
             self.storage.fsync_dir(work)
-            if self.storage.exists(final):
+            existing = self.storage.exists(final)
+            if existing and verify_step(self.storage, StepInfo(
+                    step, final, self.storage.exists(f"{final}/{MARKER}"))).ok:
                 # This step is already committed (e.g. an emergency save right after a
                 # restore): keep the existing commit, drop the duplicate.
                 self.storage.delete(work, recursive=True)
             else:
+                if existing:
+                    # A broken or markerless directory of this step (restore fell back past
+                    # it): move it aside as an uncommitted leftover, or this save is lost.
+                    self.storage.rename_dir(final, f"{TMP_PREFIX}{final}-{os.urandom(4).hex()}")
                 self.storage.rename_dir(work, final)  # the commit; fsyncs the parent
         self.last_commit_step = step
         log.info("checkpoint step %d committed to %s", step, self.storage.url_of(final))
@@ -339,13 +354,18 @@ class CheckpointManager:
         if problems:
             raise CorruptCheckpointError(f"{where}: " + "; ".join(problems))
         shared = _load_verified(self.storage, name, SHARED_FILE, manifest)
+        if manifest.layout == SHARDED_LAYOUT:  # deep-check the DCP files this rank reads
+            self._sharded.verify(self.storage, name, manifest)
         own = rank_file(self.rank)
         mine = _load_verified(self.storage, name, own, manifest) if own in manifest.files else None
         return manifest, shared, mine
 
     def _apply(self, manifest: Manifest, shared: dict[str, Any], mine: dict[str, Any] | None,
                strict: bool) -> None:
-        restore(self._tracked, shared, strict=strict)
+        if manifest.layout == SHARDED_LAYOUT:
+            self._sharded.load(self.storage, manifest, self._tracked, shared, strict=strict)
+        else:
+            restore(self._tracked, shared, strict=strict)
         if mine is None:
             log.warning("checkpoint step %d was written by %d ranks and has no file for rank %d: "
                         "its RNG state stays as it is and the values of rank 0 are used", manifest.step,
@@ -510,6 +530,11 @@ def prune(storage: Storage, retention: RetentionPolicy, *, protect: str | None =
             continue
         log.info("deleting %s (%s)", storage.url_of(info.name), reason)
         if not dry_run:
+            if info.committed:
+                # Marker first: a crash part-way through the delete must leave an
+                # uncommitted leftover, never a committed step with files missing.
+                storage.delete(f"{info.name}/{MARKER}")
+                storage.fsync_dir(info.name)
             storage.delete(info.name, recursive=True)
         removed.append(info.name)
     return removed
@@ -526,7 +551,10 @@ def verify_step(storage: Storage, info: StepInfo) -> StepInfo:
         for fname in manifest.files:
             if not any(p.startswith(fname) for p in problems):
                 try:
-                    _read_verified(storage, info.name, fname, manifest)
+                    if fname.endswith(".pt"):  # torch files: must load as restore loads them
+                        _load_verified(storage, info.name, fname, manifest)
+                    else:
+                        _read_verified(storage, info.name, fname, manifest)
                 except CorruptCheckpointError as exc:
                     problems.append(str(exc))
     except CorruptCheckpointError as exc:

@@ -1,0 +1,234 @@
+"""CheckpointManager across real processes: 2 ranks on gloo (127.0.0.1, GLOO_SOCKET_IFNAME=lo).
+
+Each scenario runs tests/dist_workers/ckpt_worker.py once per rank (subprocesses, a fresh
+port per launch, explicit timeouts); a restore is a second launch, as after a restart.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from resilient_train.checkpoint.manager import scan, verify_step
+from resilient_train.checkpoint.storage import Storage
+
+WORKER = Path(__file__).parent / "dist_workers" / "ckpt_worker.py"
+LAUNCH_TIMEOUT_S = 90.0
+
+pytestmark = pytest.mark.skipif(not torch.distributed.is_available(),
+                                reason="torch.distributed is not available")
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def start(scenario: str, world: int, ckpt: Path, out: Path) -> list[subprocess.Popen[bytes]]:
+    out.mkdir(parents=True, exist_ok=True)
+    port = free_port()
+    procs = []
+    for rank in range(world):
+        env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(world), MASTER_PORT=str(port),
+                   GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1",
+                   WORKER_TIMEOUT_S=str(int(LAUNCH_TIMEOUT_S)))
+        log = open(out / f"{scenario}.rank{rank}.log", "wb")  # noqa: SIM115 - closed by the child
+        procs.append(subprocess.Popen(
+            [sys.executable, str(WORKER), scenario, str(ckpt), str(out)],
+            env=env, stdout=log, stderr=subprocess.STDOUT))
+        log.close()
+    return procs
+
+
+def logs(out: Path, scenario: str, world: int) -> str:
+    parts = []
+    for rank in range(world):
+        path = out / f"{scenario}.rank{rank}.log"
+        text = path.read_text(errors="replace") if path.exists() else "(no log)"
+        parts.append(f"--- rank {rank} ---\n{text[-6000:]}")
+    return "\n".join(parts)
+
+
+def wait(procs: list[subprocess.Popen[bytes]], scenario: str, out: Path,
+         timeout: float = LAUNCH_TIMEOUT_S) -> list[int]:
+    deadline = time.monotonic() + timeout
+    codes = []
+    try:
+        for p in procs:
+            codes.append(p.wait(timeout=max(0.1, deadline - time.monotonic())))
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"{scenario}: ranks still running after {timeout:.0f}s\n"
+                    + logs(out, scenario, len(procs)))
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    return codes
+
+
+def run(scenario: str, world: int, ckpt: Path, out: Path,
+        expect: list[int] | None = None) -> list[dict[str, Any]]:
+    codes = wait(start(scenario, world, ckpt, out), scenario, out)
+    want = expect if expect is not None else [0] * world
+    assert codes == want, f"{scenario}: exit codes {codes}, expected {want}\n" + logs(
+        out, scenario, world)
+    return results(out, scenario, world)
+
+
+def results(out: Path, scenario: str, world: int) -> list[dict[str, Any]]:
+    return [torch.load(out / f"{scenario}.rank{r}.pt", weights_only=True) for r in range(world)]
+
+
+def bitwise_equal(a: Any, b: Any) -> bool:
+    """Same structure and the same bits in every tensor (NaN- and -0.0-proof)."""
+    if isinstance(a, torch.Tensor):
+        return (isinstance(b, torch.Tensor) and a.dtype == b.dtype and a.shape == b.shape
+                and torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8)))
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(
+            bitwise_equal(a[k], b[k]) for k in a)
+    return bool(a == b)
+
+
+def step_dir(ckpt: Path, step: int) -> Path:
+    return ckpt / f"step-{step:012d}"
+
+
+def manifest_of(ckpt: Path, step: int) -> dict[str, Any]:
+    return json.loads((step_dir(ckpt, step) / "manifest.json").read_text())
+
+
+def assert_verifies(ckpt: Path, step: int) -> None:
+    storage = Storage(str(ckpt))
+    info = next(i for i in scan(storage) if i.step == step)
+    checked = verify_step(storage, info)
+    assert checked.ok, checked.problems
+
+
+def flip_byte(path: Path) -> None:
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0xFF  # same size: only the checksum can tell
+    path.write_bytes(bytes(data))
+
+
+def test_replicated_layout_two_ranks(tmp_path: Path) -> None:
+    ckpt, out = tmp_path / "ckpt", tmp_path / "out"
+    saved = run("replicated_save", 2, ckpt, out)
+    assert [s["step"] for s in saved] == [3, 3]
+
+    m = manifest_of(ckpt, 3)
+    assert m["layout"] == "replicated" and m["world_size"] == 2
+    assert set(m["files"]) == {"shared.pt", "rank-00000.pt", "rank-00001.pt"}
+    assert sorted(os.listdir(step_dir(ckpt, 3))) == sorted(
+        ["COMMITTED", "manifest.json", "shared.pt", "rank-00000.pt", "rank-00001.pt"])
+    assert_verifies(ckpt, 3)
+
+    restored = run("replicated_restore", 2, ckpt, out)
+    for rank, (s, r) in enumerate(zip(saved, restored)):
+        assert r["step"] == 3
+        assert bitwise_equal(r["weights"], s["weights"]), f"rank {rank}: weights differ"
+        assert r["values"] == s["values"] == {"position": 1000 * rank + 3}
+        assert bitwise_equal(r["rng_after"], s["rng_after"]), f"rank {rank}: RNG stream differs"
+        assert r["opt_steps"] and set(r["opt_steps"]) == {3}
+    assert bitwise_equal(restored[0]["weights"], restored[1]["weights"])
+    # Each rank got its own stream back, not rank 0's.
+    assert not bitwise_equal(restored[0]["rng_after"], restored[1]["rng_after"])
+
+
+def test_time_based_saves_happen_at_the_same_steps(tmp_path: Path) -> None:
+    ckpt, out = tmp_path / "ckpt", tmp_path / "out"
+    r0, r1 = run("timed_saves", 2, ckpt, out)
+    assert r0["saved_steps"] == r1["saved_steps"], (r0, r1)
+    assert len(r0["saved_steps"]) >= 2, r0  # ~2.5 s of steps, a save every 0.4 s
+    committed = [i.step for i in scan(Storage(str(ckpt))) if i.committed]
+    assert committed == r0["saved_steps"][-3:]  # keep_last=3
+    for step in committed:
+        assert manifest_of(ckpt, step)["world_size"] == 2
+        assert_verifies(ckpt, step)
+
+
+def test_corrupt_file_of_one_rank_falls_back_on_every_rank(tmp_path: Path) -> None:
+    ckpt, out = tmp_path / "ckpt", tmp_path / "out"
+    saved = run("corrupt_save", 2, ckpt, out)
+    assert sorted(saved[0]["weights"]) == [2, 4]
+    flip_byte(step_dir(ckpt, 4) / "rank-00001.pt")
+
+    restored = run("corrupt_restore", 2, ckpt, out)
+    assert [r["step"] for r in restored] == [2, 2]
+    for rank, r in enumerate(restored):
+        assert bitwise_equal(r["weights"], saved[rank]["weights"][2])
+        assert r["values"] == {"position": 2}
+    rank0_log = (out / "corrupt_restore.rank0.log").read_text()
+    assert "does not verify on another rank" in rank0_log  # rank 0's own files were fine
+
+
+def test_sharded_fsdp2_save_restore_and_reshard(tmp_path: Path) -> None:
+    ckpt, out = tmp_path / "ckpt", tmp_path / "out"
+    saved = run("sharded_save", 2, ckpt, out)
+    s0 = saved[0]
+    assert s0["step"] == 3
+    assert bitwise_equal(s0["weights"], saved[1]["weights"])  # full tensors, same on both
+    assert not bitwise_equal(s0["weights"], s0["final"])  # training moved on during the write
+
+    m = manifest_of(ckpt, 3)
+    assert m["layout"] == "sharded" and m["world_size"] == 2
+    assert {"dcp/.metadata", "dcp/__0_0.distcp", "dcp/__1_0.distcp", "shared.pt",
+            "rank-00000.pt", "rank-00001.pt"} == set(m["files"])
+    assert_verifies(ckpt, 3)
+
+    restored = run("sharded_restore", 2, ckpt, out)
+    for rank, r in enumerate(restored):
+        assert r["step"] == 3 and r["sharded"]
+        assert bitwise_equal(r["weights"], s0["weights"]), f"rank {rank}: weights differ"
+        assert bitwise_equal(r["moments"], s0["moments"]), f"rank {rank}: AdamW state differs"
+        assert r["values"] == saved[rank]["values"]
+        assert bitwise_equal(r["rng_after"], saved[rank]["rng_after"])
+
+    # A different world size: one process, a plain (unsharded) model gets the full weights.
+    (single,) = run("sharded_restore", 1, ckpt, tmp_path / "out1")
+    assert single["step"] == 3 and not single["sharded"]
+    assert bitwise_equal(single["weights"], s0["weights"])
+    assert bitwise_equal(single["moments"], s0["moments"])
+    assert single["values"] == saved[0]["values"]
+
+    # A flipped byte in one rank's shard file is caught by the deep check.
+    flip_byte(step_dir(ckpt, 3) / "dcp" / "__1_0.distcp")
+    storage = Storage(str(ckpt))
+    checked = verify_step(storage, next(i for i in scan(storage) if i.step == 3))
+    assert not checked.ok and any("__1_0.distcp" in p for p in checked.problems)
+
+
+def test_sigterm_on_one_rank_saves_on_all_and_exits_134(tmp_path: Path) -> None:
+    ckpt, out = tmp_path / "ckpt", tmp_path / "out"
+    procs = start("sigterm", 2, ckpt, out)
+    ready = [out / f"sigterm.rank{r}.ready" for r in range(2)]
+    deadline = time.monotonic() + LAUNCH_TIMEOUT_S
+    while not all(p.exists() for p in ready):
+        if time.monotonic() > deadline or any(p.poll() is not None for p in procs):
+            wait(procs, "sigterm", out, timeout=1)
+            pytest.fail("sigterm: the ranks never got going\n" + logs(out, "sigterm", 2))
+        time.sleep(0.05)
+    os.kill(procs[1].pid, signal.SIGTERM)
+    codes = wait(procs, "sigterm", out)
+    assert codes == [0, 134], f"exit codes {codes}\n" + logs(out, "sigterm", 2)
+
+    r0, r1 = results(out, "sigterm", 2)
+    step = r1["saved_step"]
+    assert step is not None and r0["saved_step"] == step
+    assert r1["exit_code"] == 134
+    assert step in r1["committed_at_exit"], "rank 1 left before the step was committed"
+    assert [i.step for i in scan(Storage(str(ckpt))) if i.committed] == [step]
+    assert manifest_of(ckpt, step)["world_size"] == 2
+    assert_verifies(ckpt, step)
