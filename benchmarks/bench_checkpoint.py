@@ -37,30 +37,30 @@ import os
 # Must be set before anything imports gcsfs (FIELD-NOTES.md: otherwise ~60 s per bucket op).
 os.environ.setdefault("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")
 
-import argparse  # noqa: E402
-import ctypes  # noqa: E402
-import ctypes.util  # noqa: E402
-import datetime as dt  # noqa: E402
-import gc  # noqa: E402
-import io  # noqa: E402
-import json  # noqa: E402
-import logging  # noqa: E402
-import mmap  # noqa: E402
-import platform  # noqa: E402
-import shutil  # noqa: E402
-import statistics  # noqa: E402
-import sys  # noqa: E402
-import tempfile  # noqa: E402
-import time  # noqa: E402
-import warnings  # noqa: E402
-from collections.abc import Callable  # noqa: E402
-from pathlib import Path  # noqa: E402
-from typing import Any  # noqa: E402
+import argparse
+import ctypes
+import ctypes.util
+import datetime as dt
+import gc
+import io
+import json
+import logging
+import mmap
+import platform
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+import warnings
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
 
-import torch  # noqa: E402
+import torch
 
-from resilient_train.checkpoint.manager import CheckpointManager, CheckpointOptions  # noqa: E402
-from resilient_train.checkpoint.retention import RetentionPolicy  # noqa: E402
+from resilient_train.checkpoint.manager import CheckpointManager, CheckpointOptions
+from resilient_train.checkpoint.retention import RetentionPolicy
 
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "benchmarks" / "results" / "checkpoint.json"
@@ -184,6 +184,27 @@ def torch_save_file(path: str, sd: dict[str, torch.Tensor]) -> None:
         os.fsync(f.fileno())
 
 
+def rounds(contenders: list[tuple[str, Callable[[], float]]], repeats: int
+           ) -> dict[str, list[float]]:
+    """Run every contender once per round, warm-up round first (dropped); the order rotates
+    each round so that slow drift of the disk does not always hit the same contender."""
+    out: dict[str, list[float]] = {name: [] for name, _ in contenders}
+    for i in range(repeats + 1):
+        k = i % len(contenders)
+        for name, fn in contenders[k:] + contenders[:k]:
+            t = fn()
+            if i:
+                out[name].append(t)
+    return out
+
+
+def settle() -> None:
+    """After deleting big files: write back and let the (discard-mounted) disk catch up
+    before the next timed section."""
+    os.sync()
+    time.sleep(1.0)
+
+
 def rm(path: str) -> None:
     if os.path.isdir(path):
         shutil.rmtree(path, ignore_errors=True)
@@ -198,13 +219,12 @@ def quiet_manager_logs() -> None:
 class Results:
     def __init__(self) -> None:
         self.rows: list[dict[str, Any]] = []
-        self.samples: dict[str, list[float]] = {}
 
     def add(self, op: str, samples: list[float], *, ratio: float | None = None,
             ratio_def: str = "", target: str = "", ok: bool | None = None,
             note: str = "") -> None:
-        self.samples[op] = [round(s, 6) for s in samples]
-        self.rows.append({"operation": op, "seconds": median(samples), "samples": samples,
+        self.rows.append({"operation": op, "seconds": median(samples),
+                          "samples": [round(x, 4) for x in samples],
                           "ratio": ratio, "ratio_def": ratio_def, "target": target,
                           "pass": ok, "note": note})
 
@@ -227,12 +247,10 @@ def bench_async(model: Model, root: str, repeats: int, res: Results) -> dict[str
                                                       retention=RetentionPolicy(keep_last=1)))
     mgr.track(model=model)
     copies, blocking, calls, background = [], [], [], []
-    step = 0
     for i in range(repeats + 1):  # round 0 is the warm-up
         c = timed(copy)
-        step += 1
         t0 = time.perf_counter()
-        mgr.save(step)
+        mgr.save(i + 1)
         call = time.perf_counter() - t0
         b = mgr.last_blocking_s
         bg = timed(mgr.wait)
@@ -242,7 +260,8 @@ def bench_async(model: Model, root: str, repeats: int, res: Results) -> dict[str
             calls.append(call)
             background.append(bg)
     mgr.close()
-    del dst
+    dst.clear()
+    settle()
     ratio = median(blocking) / median(copies)
     res.add("bare copy into touched buffers", copies, note="baseline for 1")
     res.add("ours: async save, blocking (last_blocking_s)", blocking, ratio=ratio,
@@ -256,37 +275,47 @@ def bench_async(model: Model, root: str, repeats: int, res: Results) -> dict[str
 
 
 def bench_sync(model: Model, root: str, repeats: int, res: Results) -> str:
-    """Returns the path of the last torch.save file (kept for the restore benchmark)."""
+    """Returns the path of a torch.save file (kept for the restore benchmark). Baseline
+    files get fresh names and are deleted only after the section: a deletion (discards on
+    this disk) must not land inside another contender's timing."""
     sd = model.state_dict()
     tensors = [t.detach() for t in sd.values()]
     mgr = CheckpointManager(os.path.join(root, "sync"),
                             options=CheckpointOptions(async_save=False,
                                                       retention=RetentionPolicy(keep_last=1)))
     mgr.track(model=model)
-    ours, tsave, raw = [], [], []
-    tpath = os.path.join(root, "torch_save.pt")
-    rpath = os.path.join(root, "raw.bin")
-    for i in range(repeats + 1):
-        rm(tpath)
-        rm(rpath)
-        o = timed(lambda: mgr.save(i + 1, blocking=True))
-        t = timed(lambda: torch_save_file(tpath, sd))
-        r = timed(lambda: write_raw(rpath, tensors))
-        if i:
-            ours.append(o)
-            tsave.append(t)
-            raw.append(r)
+    n = {"ours": 0, "torch": 0, "raw": 0}
+    tfiles: list[str] = []
+    rfiles: list[str] = []
+
+    def ours() -> float:
+        n["ours"] += 1
+        return timed(lambda: mgr.save(n["ours"], blocking=True))
+
+    def tsave() -> float:
+        tfiles.append(os.path.join(root, f"torch-{len(tfiles)}.pt"))
+        return timed(lambda: torch_save_file(tfiles[-1], sd))
+
+    def raw() -> float:
+        rfiles.append(os.path.join(root, f"raw-{len(rfiles)}.bin"))
+        return timed(lambda: write_raw(rfiles[-1], tensors))
+
+    got = rounds([("ours", ours), ("torch", tsave), ("raw", raw)], repeats)
     mgr.close()
-    rm(rpath)
+    tpath = tfiles.pop()
+    for p in tfiles + rfiles:
+        rm(p)
+    settle()
     nbytes = model.nbytes
-    ratio = median(tsave) / median(ours)
-    res.add("ours: sync save, local (commit incl.)", ours, ratio=ratio,
-            ratio_def="torch.save/ours", target=">= 1.0", ok=ratio >= 1.0)
-    res.add("torch.save + flush + fsync", tsave, note="baseline for 2, 3")
-    rr = median(raw) / median(ours)
-    res.add("raw os.write + fsync (same bytes)", raw, ratio=rr, ratio_def="raw/ours",
-            note=f"info: disk {nbytes / median(raw) / 2**30:.2f} GiB/s; "
-                 f"ours {nbytes / median(ours) / 2**30:.2f} GiB/s")
+    ratio = median(got["torch"]) / median(got["ours"])
+    res.add("ours: sync save, local (commit incl.)", got["ours"], ratio=ratio,
+            ratio_def="torch.save/ours", target=">= 1.0", ok=ratio >= 1.0,
+            note="incl. retention deleting the previous step")
+    res.add("torch.save + flush + fsync", got["torch"], note="baseline for 2")
+    rr = median(got["raw"]) / median(got["ours"])
+    res.add("raw os.write + fsync (same bytes)", got["raw"], ratio=rr, ratio_def="raw/ours",
+            note=f"info: disk {nbytes / median(got['raw']) / 2**30:.2f} GiB/s; "
+                 f"ours {nbytes / median(got['ours']) / 2**30:.2f} GiB/s")
     return tpath
 
 
@@ -298,38 +327,35 @@ def bench_restore(model: Model, root: str, tpath: str, repeats: int,
     ours_dir = os.path.join(root, "sync")
     mgr = CheckpointManager(ours_dir, options=CheckpointOptions(async_save=False))
     mgr.track(model=model)
-    ours, tload, tload_apply = [], [], []
     resid: dict[str, list[float | None]] = {"ours": [], "torch": []}
 
-    def torch_load_apply() -> None:
-        model.load_state_dict(torch.load(tpath, map_location="cpu", weights_only=True))
+    def cold(path: str, key: str, fn: Callable[[], Any]) -> float:
+        gc.collect()
+        evict(path)
+        resid[key].append(resident_fraction(path))
+        return timed(fn)
 
-    for i in range(repeats + 1):
-        evict(ours_dir)
-        resid["ours"].append(resident_fraction(ours_dir))
-        o = timed(mgr.restore_latest)
-        evict(tpath)
-        resid["torch"].append(resident_fraction(tpath))
-        t = timed(lambda: torch.load(tpath, map_location="cpu", weights_only=True))
-        gc.collect()
-        evict(tpath)
-        ta = timed(torch_load_apply)
-        gc.collect()
-        if i:
-            ours.append(o)
-            tload.append(t)
-            tload_apply.append(ta)
+    def torch_load() -> Any:
+        return torch.load(tpath, map_location="cpu", weights_only=True)
+
+    got = rounds([
+        ("ours", lambda: cold(ours_dir, "ours", mgr.restore_latest)),
+        ("load", lambda: cold(tpath, "torch", torch_load)),
+        ("load+apply", lambda: cold(tpath, "torch",
+                                    lambda: model.load_state_dict(torch_load()))),
+    ], repeats)
     mgr.close()
+    gc.collect()
     known = [r for rs in resid.values() for r in rs if r is not None]
-    cached = ("unknown (mincore failed)" if not known else
-              f"evicted: max {max(known) * 100:.1f}% resident before reads")
-    ratio = median(tload) / median(ours)
-    res.add("ours: restore_latest (crc + load_state_dict)", ours, ratio=ratio,
+    cached = ("page cache state unknown (mincore failed)" if not known else
+              f"cold: at most {max(known) * 100:.1f}% of the files cached before a read")
+    ratio = median(got["load"]) / median(got["ours"])
+    res.add("ours: restore_latest (crc + load_state_dict)", got["ours"], ratio=ratio,
             ratio_def="torch.load/ours", target=">= 1.0", ok=ratio >= 1.0, note=cached)
-    res.add("torch.load(weights_only=True)", tload, note="baseline for 3")
-    res.add("torch.load + load_state_dict", tload_apply,
-            ratio=median(tload_apply) / median(ours), ratio_def="(load+apply)/ours",
-            note="info: same work as ours minus crc")
+    res.add("torch.load(weights_only=True)", got["load"], note="baseline for 3")
+    res.add("torch.load + load_state_dict", got["load+apply"],
+            ratio=median(got["load+apply"]) / median(got["ours"]),
+            ratio_def="(load+apply)/ours", note="info: ours' work minus the checksums")
     return {"resident_fraction_before_read": resid}
 
 
@@ -367,7 +393,7 @@ def bench_gcs(size_bytes: int, repeats: int, res: Results, log_dir: str) -> dict
         peak_rss = 0
         proc = psutil.Process(emu.process.pid)
         for i in range(repeats + 1):
-            o = timed(lambda: mgr.save(i + 1, blocking=True))
+            o = timed(lambda step=i + 1: mgr.save(step, blocking=True))
             peak_rss = max(peak_rss, proc.memory_info().rss)
             path = f"{bucket}/raw/state-{i}.pt"
             t0 = time.perf_counter()
@@ -390,7 +416,8 @@ def bench_gcs(size_bytes: int, repeats: int, res: Results, log_dir: str) -> dict
         ratio = median(raw) / median(ours)
         res.add(f"ours: sync save to gs:// ({nbytes / 2**30:.2f} GiB)", ours, ratio=ratio,
                 ratio_def="raw/ours", target=">= 0.8", ok=ratio >= 0.8,
-                note=f"ours {nbytes / median(ours) / 2**20:.0f} MiB/s")
+                note=f"ours {nbytes / median(ours) / 2**20:.0f} MiB/s; emulator peak RSS "
+                     f"{peak_rss / 2**30:.1f} GiB")
         res.add("torch.save to buffer + gcsfs pipe", raw, note="baseline for 4")
         res.add("  gcsfs pipe only", pipe_only, ratio=median(pipe_only) / median(ours),
                 ratio_def="pipe/ours",
@@ -409,29 +436,31 @@ def bench_dcp(model: Model, root: str, tpath: str, repeats: int, res: Results,
     from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 
     sd = model.state_dict()
-    d_sync = os.path.join(root, "dcp-sync")
+    dirs: list[str] = []
     saves, blocking, background = [], [], []
     for i in range(repeats + 1):
-        rm(d_sync)
-        s = timed(lambda: dcp.save(sd, checkpoint_id=d_sync))
+        dirs.append(os.path.join(root, f"dcp-sync-{i}"))
+        s = timed(lambda: dcp.save(sd, checkpoint_id=dirs[-1]))
         d_async = os.path.join(root, f"dcp-async-{i}")
         t0 = time.perf_counter()
         fut = dcp.async_save(sd, checkpoint_id=d_async,
                              async_checkpointer_type=AsyncCheckpointerType.THREAD)
         b = time.perf_counter() - t0
         bg = timed(fut.result)
-        rm(d_async)
         if i:
             saves.append(s)
             blocking.append(b)
             background.append(bg)
+    d_sync = dirs.pop()
+    for d in dirs + [os.path.join(root, f"dcp-async-{i}") for i in range(repeats + 1)]:
+        rm(d)
+    settle()
     res.add("dcp.save (local, no process group)", saves,
             ratio=ref["torch_save"] / median(saves), ratio_def="torch.save/dcp",
-            note=f"info; ours/dcp = {ref['ours_sync'] / median(saves):.2f}")
+            note=f"info; ours {ref['ours_sync']:.2f} s")
     res.add("dcp.async_save thread, blocking", blocking,
             ratio=median(blocking) / ref["copy"], ratio_def="dcp/copy",
-            note=f"info; fresh staging buffers; ours/dcp = "
-                 f"{ref['ours_blocking'] / median(blocking):.2f}")
+            note=f"info; stages into fresh buffers; ours {ref['ours_blocking']:.3f} s")
     res.add("dcp.async_save thread, background", background, note="info")
 
     target = {k: torch.empty_like(v) for k, v in sd.items()}
@@ -441,10 +470,11 @@ def bench_dcp(model: Model, root: str, tpath: str, repeats: int, res: Results,
         t = timed(lambda: dcp.load(target, checkpoint_id=d_sync))
         if i:
             loads.append(t)
-    del target
+    target.clear()
+    gc.collect()
     res.add("dcp.load (evicted, into preallocated)", loads,
             ratio=ref["torch_load"] / median(loads), ratio_def="torch.load/dcp",
-            note=f"info; ours/dcp = {ref['ours_restore'] / median(loads):.2f}")
+            note=f"info; ours {ref['ours_restore']:.2f} s")
     rm(d_sync)
 
 
@@ -484,6 +514,8 @@ def main() -> int:
     res = Results()
     extra: dict[str, Any] = {}
     phases: dict[str, float] = {}
+    # Other processes on this 2-core machine skew I/O and copies: record the load.
+    loads: dict[str, float] = {"start": os.getloadavg()[0]}
     try:
         t = time.perf_counter()
         model = Model(int(args.size_gb * 2**30))
@@ -494,16 +526,19 @@ def main() -> int:
         t = time.perf_counter()
         extra["async"] = bench_async(model, root, args.repeats, res)
         phases["async"] = time.perf_counter() - t
+        loads["after_async"] = os.getloadavg()[0]
         print(f"  async done ({phases['async']:.0f} s)", flush=True)
 
         t = time.perf_counter()
         tpath = bench_sync(model, root, args.repeats, res)
         phases["sync"] = time.perf_counter() - t
+        loads["after_sync"] = os.getloadavg()[0]
         print(f"  sync save done ({phases['sync']:.0f} s)", flush=True)
 
         t = time.perf_counter()
         extra["restore"] = bench_restore(model, root, tpath, args.repeats, res)
         phases["restore"] = time.perf_counter() - t
+        loads["after_restore"] = os.getloadavg()[0]
         print(f"  restore done ({phases['restore']:.0f} s)", flush=True)
 
         med = {r["operation"]: r["seconds"] for r in res.rows}
@@ -518,26 +553,34 @@ def main() -> int:
                 "ours_restore": med["ours: restore_latest (crc + load_state_dict)"],
             })
             phases["dcp"] = time.perf_counter() - t
+            loads["after_dcp"] = os.getloadavg()[0]
             print(f"  dcp done ({phases['dcp']:.0f} s)", flush=True)
         del model
         gc.collect()
         rm(root)
         os.makedirs(root, exist_ok=True)
+        settle()
 
         if not args.skip_gcs:
             t = time.perf_counter()
             extra["gcs"] = bench_gcs(int(args.gcs_size_gb * 2**30), args.repeats, res, root)
             phases["gcs"] = time.perf_counter() - t
+            loads["after_gcs"] = os.getloadavg()[0]
             print(f"  gcs done ({phases['gcs']:.0f} s)", flush=True)
     finally:
         rm(root)
     phases["total"] = time.perf_counter() - t_start
+    loads["end"] = os.getloadavg()[0]
 
     print()
     print_table(res.rows)
     targets = [r for r in res.rows if r["pass"] is not None]
     print(f"\n{sum(r['pass'] for r in targets)}/{len(targets)} targets met; "
-          f"total {phases['total']:.0f} s")
+          f"total {phases['total']:.0f} s; 1-min load average "
+          + ", ".join(f"{k} {v:.1f}" for k, v in loads.items()))
+    if max(loads.values()) > 1.5:
+        print("warning: other processes were busy during the run (2 cores here): absolute "
+              "seconds are inflated; the interleaved ratios are the more robust numbers")
 
     out = {
         "benchmark": "checkpoint",
@@ -550,6 +593,7 @@ def main() -> int:
         "rows": res.rows,
         "extra": extra,
         "phase_seconds": {k: round(v, 2) for k, v in phases.items()},
+        "load_average_1min": {k: round(v, 2) for k, v in loads.items()},
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(out, indent=2) + "\n")

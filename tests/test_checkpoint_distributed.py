@@ -1,18 +1,20 @@
 """CheckpointManager across real processes: 2 ranks on gloo (127.0.0.1, GLOO_SOCKET_IFNAME=lo).
 
-Each scenario runs tests/dist_workers/ckpt_worker.py once per rank (subprocesses, a fresh
-port per launch, explicit timeouts); a restore is a second launch, as after a restart.
+Each scenario runs tests/dist_workers/ckpt_worker.py's ``entry`` once per rank, in processes
+forked from a ``forkserver`` that imported torch once (a fresh port per launch, explicit
+timeouts); a restore after a restart is a second launch.
 """
 
 from __future__ import annotations
 
 import json
+import multiprocessing
 import os
 import signal
 import socket
-import subprocess
 import sys
 import time
+from multiprocessing.process import BaseProcess
 from pathlib import Path
 from typing import Any
 
@@ -22,11 +24,20 @@ import torch
 from resilient_train.checkpoint.manager import scan, verify_step
 from resilient_train.checkpoint.storage import Storage
 
-WORKER = Path(__file__).parent / "dist_workers" / "ckpt_worker.py"
+WORKERS = Path(__file__).parent / "dist_workers"
 LAUNCH_TIMEOUT_S = 90.0
 
 pytestmark = pytest.mark.skipif(not torch.distributed.is_available(),
                                 reason="torch.distributed is not available")
+
+if str(WORKERS) not in sys.path:
+    sys.path.insert(0, str(WORKERS))  # the forkserver gets sys.path and imports the worker
+import ckpt_worker
+
+_ctx = multiprocessing.get_context("forkserver")
+# Imported once in the server, shared by every rank forked from it.
+_ctx.set_forkserver_preload(["torch", "torch.distributed.checkpoint",
+                             "torch.distributed.fsdp", "ckpt_worker"])
 
 
 def free_port() -> int:
@@ -35,19 +46,19 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def start(scenario: str, world: int, ckpt: Path, out: Path) -> list[subprocess.Popen[bytes]]:
+def start(scenario: str, world: int, ckpt: Path | str, out: Path,
+          extra_env: dict[str, str] | None = None) -> list[BaseProcess]:
     out.mkdir(parents=True, exist_ok=True)
     port = free_port()
-    procs = []
+    procs: list[BaseProcess] = []
     for rank in range(world):
-        env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(world), MASTER_PORT=str(port),
+        env = dict(RANK=str(rank), WORLD_SIZE=str(world), MASTER_PORT=str(port),
                    GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1",
-                   WORKER_TIMEOUT_S=str(int(LAUNCH_TIMEOUT_S)))
-        log = open(out / f"{scenario}.rank{rank}.log", "wb")  # noqa: SIM115 - closed by the child
-        procs.append(subprocess.Popen(
-            [sys.executable, str(WORKER), scenario, str(ckpt), str(out)],
-            env=env, stdout=log, stderr=subprocess.STDOUT))
-        log.close()
+                   WORKER_TIMEOUT_S=str(int(LAUNCH_TIMEOUT_S)), **(extra_env or {}))
+        p = _ctx.Process(target=ckpt_worker.entry, args=(scenario, str(ckpt), str(out), env),
+                         name=f"{scenario}-rank{rank}")
+        p.start()
+        procs.append(p)
     return procs
 
 
@@ -60,27 +71,27 @@ def logs(out: Path, scenario: str, world: int) -> str:
     return "\n".join(parts)
 
 
-def wait(procs: list[subprocess.Popen[bytes]], scenario: str, out: Path,
-         timeout: float = LAUNCH_TIMEOUT_S) -> list[int]:
+def wait(procs: list[BaseProcess], scenario: str, out: Path,
+         timeout: float = LAUNCH_TIMEOUT_S) -> list[int | None]:
     deadline = time.monotonic() + timeout
-    codes = []
     try:
         for p in procs:
-            codes.append(p.wait(timeout=max(0.1, deadline - time.monotonic())))
-    except subprocess.TimeoutExpired:
-        pytest.fail(f"{scenario}: ranks still running after {timeout:.0f}s\n"
-                    + logs(out, scenario, len(procs)))
+            p.join(timeout=max(0.1, deadline - time.monotonic()))
+        if any(p.exitcode is None for p in procs):
+            pytest.fail(f"{scenario}: ranks still running after {timeout:.0f}s\n"
+                        + logs(out, scenario, len(procs)))
     finally:
         for p in procs:
-            if p.poll() is None:
+            if p.exitcode is None:
                 p.kill()
-                p.wait()
-    return codes
+                p.join()
+    return [p.exitcode for p in procs]
 
 
-def run(scenario: str, world: int, ckpt: Path, out: Path,
-        expect: list[int] | None = None) -> list[dict[str, Any]]:
-    codes = wait(start(scenario, world, ckpt, out), scenario, out)
+def run(scenario: str, world: int, ckpt: Path | str, out: Path,
+        expect: list[int] | None = None,
+        extra_env: dict[str, str] | None = None) -> list[dict[str, Any]]:
+    codes = wait(start(scenario, world, ckpt, out, extra_env), scenario, out)
     want = expect if expect is not None else [0] * world
     assert codes == want, f"{scenario}: exit codes {codes}, expected {want}\n" + logs(
         out, scenario, world)
@@ -95,7 +106,7 @@ def bitwise_equal(a: Any, b: Any) -> bool:
     """Same structure and the same bits in every tensor (NaN- and -0.0-proof)."""
     if isinstance(a, torch.Tensor):
         return (isinstance(b, torch.Tensor) and a.dtype == b.dtype and a.shape == b.shape
-                and torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8)))
+                and torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8)))
     if isinstance(a, dict):
         return isinstance(b, dict) and a.keys() == b.keys() and all(
             bitwise_equal(a[k], b[k]) for k in a)
@@ -161,22 +172,23 @@ def test_time_based_saves_happen_at_the_same_steps(tmp_path: Path) -> None:
 
 def test_corrupt_file_of_one_rank_falls_back_on_every_rank(tmp_path: Path) -> None:
     ckpt, out = tmp_path / "ckpt", tmp_path / "out"
-    saved = run("corrupt_save", 2, ckpt, out)
-    assert sorted(saved[0]["weights"]) == [2, 4]
-    flip_byte(step_dir(ckpt, 4) / "rank-00001.pt")
-
-    restored = run("corrupt_restore", 2, ckpt, out)
-    assert [r["step"] for r in restored] == [2, 2]
-    for rank, r in enumerate(restored):
-        assert bitwise_equal(r["weights"], saved[rank]["weights"][2])
-        assert r["values"] == {"position": 2}
-    rank0_log = (out / "corrupt_restore.rank0.log").read_text()
-    assert "does not verify on another rank" in rank0_log  # rank 0's own files were fine
+    results_ = run("corrupt", 2, ckpt, out)  # saves 2 and 4, flips a byte, restores
+    assert sorted(results_[0]["weights"]) == [2, 4]
+    assert [r["restored"]["step"] for r in results_] == [2, 2]
+    for r in results_:
+        assert bitwise_equal(r["restored"]["weights"], r["weights"][2])
+        assert r["restored"]["values"] == {"position": 2}
+    assert "does not verify on another rank" in (out / "corrupt.rank0.log").read_text()
+    assert "rank-00001.pt: checksum mismatch" in (out / "corrupt.rank1.log").read_text()
+    problems = verify_step(Storage(str(ckpt)), next(
+        i for i in scan(Storage(str(ckpt))) if i.step == 4)).problems
+    assert len(problems) == 1 and "rank-00001.pt" in problems[0]
 
 
 def test_sharded_fsdp2_save_restore_and_reshard(tmp_path: Path) -> None:
     ckpt, out = tmp_path / "ckpt", tmp_path / "out"
-    saved = run("sharded_save", 2, ckpt, out)
+    both = run("sharded", 2, ckpt, out)  # save at step 3, then restore into fresh objects
+    saved, restored = [r["saved"] for r in both], [r["restored"] for r in both]
     s0 = saved[0]
     assert s0["step"] == 3
     assert bitwise_equal(s0["weights"], saved[1]["weights"])  # full tensors, same on both
@@ -187,14 +199,18 @@ def test_sharded_fsdp2_save_restore_and_reshard(tmp_path: Path) -> None:
     assert {"dcp/.metadata", "dcp/__0_0.distcp", "dcp/__1_0.distcp", "shared.pt",
             "rank-00000.pt", "rank-00001.pt"} == set(m["files"])
     assert_verifies(ckpt, 3)
+    shared = torch.load(step_dir(ckpt, 3) / "shared.pt", weights_only=True)
+    assert set(shared) == {"sched"}  # what is not sharded stays out of DCP
+    assert bitwise_equal(s0["table"], torch.arange(8.0) + 3)
 
-    restored = run("sharded_restore", 2, ckpt, out)
     for rank, r in enumerate(restored):
         assert r["step"] == 3 and r["sharded"]
         assert bitwise_equal(r["weights"], s0["weights"]), f"rank {rank}: weights differ"
         assert bitwise_equal(r["moments"], s0["moments"]), f"rank {rank}: AdamW state differs"
         assert r["values"] == saved[rank]["values"]
         assert bitwise_equal(r["rng_after"], saved[rank]["rng_after"])
+        assert r["sched"] == s0["sched"] and r["lrs"] == [s0["sched"]["_last_lr"][0]]
+        assert bitwise_equal(r["table"], s0["table"])
 
     # A different world size: one process, a plain (unsharded) model gets the full weights.
     (single,) = run("sharded_restore", 1, ckpt, tmp_path / "out1")
@@ -202,6 +218,8 @@ def test_sharded_fsdp2_save_restore_and_reshard(tmp_path: Path) -> None:
     assert bitwise_equal(single["weights"], s0["weights"])
     assert bitwise_equal(single["moments"], s0["moments"])
     assert single["values"] == saved[0]["values"]
+    assert single["sched"] == s0["sched"]
+    assert bitwise_equal(single["table"], s0["table"])  # a DTensor saved, a tensor loaded
 
     # A flipped byte in one rank's shard file is caught by the deep check.
     flip_byte(step_dir(ckpt, 3) / "dcp" / "__1_0.distcp")
@@ -216,10 +234,11 @@ def test_sigterm_on_one_rank_saves_on_all_and_exits_134(tmp_path: Path) -> None:
     ready = [out / f"sigterm.rank{r}.ready" for r in range(2)]
     deadline = time.monotonic() + LAUNCH_TIMEOUT_S
     while not all(p.exists() for p in ready):
-        if time.monotonic() > deadline or any(p.poll() is not None for p in procs):
+        if time.monotonic() > deadline or any(p.exitcode is not None for p in procs):
             wait(procs, "sigterm", out, timeout=1)
             pytest.fail("sigterm: the ranks never got going\n" + logs(out, "sigterm", 2))
         time.sleep(0.05)
+    assert procs[1].pid is not None
     os.kill(procs[1].pid, signal.SIGTERM)
     codes = wait(procs, "sigterm", out)
     assert codes == [0, 134], f"exit codes {codes}\n" + logs(out, "sigterm", 2)
@@ -232,3 +251,41 @@ def test_sigterm_on_one_rank_saves_on_all_and_exits_134(tmp_path: Path) -> None:
     assert [i.step for i in scan(Storage(str(ckpt))) if i.committed] == [step]
     assert manifest_of(ckpt, step)["world_size"] == 2
     assert_verifies(ckpt, step)
+
+
+def test_sharded_on_an_object_store(tmp_path: Path, gcs_bucket: Any) -> None:
+    out = tmp_path / "out"
+    r0, r1 = run("sharded_gcs", 2, gcs_bucket.url, out,
+                 extra_env={"RT_GCS_ENDPOINT": gcs_bucket.storage_options["endpoint_url"]})
+    for r in (r0, r1):
+        assert r["restored"]["step"] == 3
+        assert bitwise_equal(r["restored"]["weights"], r0["saved"]["weights"])
+        assert bitwise_equal(r["restored"]["moments"], r0["saved"]["moments"])
+
+    storage = Storage(gcs_bucket.url, storage_options=gcs_bucket.storage_options)
+    (info,) = [i for i in scan(storage) if i.committed]
+    assert info.step == 3 and info.name.startswith("step-000000000003-")  # in place, no rename
+    m = json.loads(storage.read_bytes(f"{info.name}/manifest.json"))
+    assert m["layout"] == "sharded"
+    assert {"dcp/.metadata", "dcp/__0_0.distcp", "dcp/__1_0.distcp"} <= set(m["files"])
+    checked = verify_step(storage, info)
+    assert checked.ok, checked.problems
+
+
+def test_dcp_metadata_is_parsed_without_running_code(tmp_path: Path) -> None:
+    """DCP's .metadata is a pickle (DCP itself reads it with pickle.load): ours refuses
+    anything but checkpoint metadata classes."""
+    import pickle
+
+    from resilient_train.checkpoint.manifest import CorruptCheckpointError
+    from resilient_train.checkpoint.sharded import parse_metadata
+
+    class Evil:
+        def __reduce__(self) -> tuple[Any, ...]:
+            return (os.system, ("touch " + str(tmp_path / "pwned"),))
+
+    with pytest.raises(CorruptCheckpointError, match="refusing"):
+        parse_metadata(pickle.dumps(Evil()), "x/.metadata")
+    assert not (tmp_path / "pwned").exists()
+    with pytest.raises(CorruptCheckpointError, match="not DCP metadata"):
+        parse_metadata(pickle.dumps({"a": 1}), "x/.metadata")

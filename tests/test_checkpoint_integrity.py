@@ -43,8 +43,6 @@ from resilient_train.checkpoint.manifest import (
     MARKER,
     CheckpointError,
     CorruptCheckpointError,
-    FileEntry,
-    Manifest,
     crc32c,
     marker_bytes,
     step_dirname,
@@ -572,7 +570,10 @@ def test_async_error_surfaces_on_wait_close_and_save(
     assert committed_names(cheap_backend.storage()) == {}
 
 
-def test_async_error_when_the_directory_is_replaced_by_a_file(tmp_path: Any) -> None:
+@pytest.mark.parametrize("how", ["replaced-by-a-file", "read-only"])
+def test_async_error_when_the_directory_goes_bad_mid_run(tmp_path: Any, how: str) -> None:
+    if how == "read-only" and os.geteuid() == 0:
+        pytest.skip("root ignores directory permissions")
     root = tmp_path / "ckpt"
     tr = Trainer.fresh()
     mgr = Backend("local", str(root)).manager(async_save=True, save_every_steps=1)
@@ -580,15 +581,23 @@ def test_async_error_when_the_directory_is_replaced_by_a_file(tmp_path: Any) -> 
     tr.step()
     mgr.maybe_save(1)
     mgr.wait()
-    shutil.rmtree(root)            # someone deletes the directory mid-run ...
-    root.write_text("not a directory")  # ... and something else takes the name
-    tr.step()
-    assert mgr.maybe_save(2)
-    tr.step()
-    with pytest.raises(CheckpointError) as info:
-        mgr.maybe_save(3)
-    assert str(root) in str(info.value)
-    root.unlink()
+    if how == "read-only":
+        root.chmod(0o555)
+    else:
+        shutil.rmtree(root)                 # someone deletes the directory mid-run ...
+        root.write_text("not a directory")  # ... and something else takes the name
+    try:
+        tr.step()
+        assert mgr.maybe_save(2)
+        tr.step()
+        with pytest.raises(CheckpointError) as info:
+            mgr.maybe_save(3)
+        assert str(root) in str(info.value)
+    finally:
+        if how == "read-only":
+            root.chmod(0o755)
+        else:
+            root.unlink()
     mgr.close()  # the error was reported once: close is clean
 
 

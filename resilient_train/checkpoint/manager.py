@@ -143,7 +143,9 @@ class CheckpointManager:
         self.last_saved_step: int | None = None
         self.last_commit_step: int | None = None
         self.last_blocking_s = 0.0
-        self._shared_now = self.coord.allreduce_max([int(clock() * 1000)])[0] / 1000.0
+        # The primary's clock, as in _sync: a max over all ranks' clocks would let one
+        # rank's skew (a clock ahead) postpone every time-based save.
+        self._shared_now = float(self.coord.broadcast(clock()))
         self._last_save_time = self._shared_now
         self._next_sync_step = 0
         self._step_time = 0.0
@@ -262,6 +264,11 @@ class CheckpointManager:
         final = step_dirname(step)
         work = f"{TMP_PREFIX}{final}-{self._token}" if self.storage.atomic_rename \
             else f"{final}-{self._token}"
+        if not self.storage.atomic_rename and self.storage.exists(f"{work}/{MARKER}"):
+            # Object store: this run already committed this step under this name (an
+            # emergency save right after a periodic one); rewriting it in place could tear it.
+            log.info("checkpoint step %d is already committed; not saving it again", step)
+            return
         entries: dict[str, FileEntry] = {}
         if self.is_primary:
             entries[SHARED_FILE] = self._write_file(f"{work}/{SHARED_FILE}", snap["shared"])
@@ -309,7 +316,11 @@ class CheckpointManager:
     # --- what to keep -----------------------------------------------------------------
 
     def _apply_retention(self) -> None:
-        prune(self.storage, self.options.retention, protect=self._token)
+        # The step is committed: a failure to clean up must not report the save as failed.
+        try:
+            prune(self.storage, self.options.retention, protect=self._token)
+        except Exception as exc:  # noqa: BLE001 - retried after the next commit
+            log.warning("retention after a commit failed (retried after the next one): %s", exc)
 
     # --- restoring --------------------------------------------------------------------
 
@@ -334,7 +345,7 @@ class CheckpointManager:
                 manifest, shared, mine = loaded
                 self._apply(manifest, shared, mine, strict)
                 return step
-            log.warning("checkpoint %s does not verify%s; falling back to the previous one",
+            log.warning("checkpoint %s does not verify%s; trying the previous one",
                         self.storage.url_of(name), f": {problems[-1]}" if problems else
                         " on another rank")
         if names:
@@ -398,6 +409,11 @@ class CheckpointManager:
     def _exit_after_emergency(self, step: int) -> None:
         from ..errors import exit_transient
 
+        if self.world_size > 1:
+            # A non-primary's blocking save returns once the primary has its file list, before
+            # the commit: wait for the primary here, so no rank leaves (and gets the job torn
+            # down) before the marker is written.
+            self.coord.allreduce_max([0])
         if self._sigterm:  # only the signalled rank leaves; the others saved with it
             self.close()
             exit_transient(f"SIGTERM: emergency checkpoint of step {step} committed")
@@ -480,7 +496,12 @@ def _load_verified(storage: Storage, name: str, fname: str, manifest: Manifest) 
     try:
         obj = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
     except Exception as exc:  # a checksum-valid file that torch cannot read
-        raise CorruptCheckpointError(f"{storage.url_of(name + '/' + fname)}: unreadable ({exc})") from exc
+        # Only the first line of torch's message: the rest advises weights_only=False,
+        # which is exactly wrong for a file that may have been tampered with.
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+        raise CorruptCheckpointError(
+            f"{storage.url_of(name + '/' + fname)}: unreadable as a weights-only torch file "
+            f"({type(exc).__name__}: {first[:200]})") from None
     if not isinstance(obj, dict):
         raise CorruptCheckpointError(f"{storage.url_of(name + '/' + fname)}: not a checkpoint file")
     return obj
@@ -512,7 +533,8 @@ def prune(storage: Storage, retention: RetentionPolicy, *, protect: str | None =
     """Apply retention to committed steps and drop uncommitted leftovers older than the
     latest commit (crashed saves). Never deletes without a newer commit, nor a directory
     whose name carries ``protect`` (a save in flight). Returns the names deleted."""
-    infos = scan(storage)
+    # Commit times are read only when time milestones need them (a request per step).
+    infos = scan(storage, with_manifest=retention.milestone_every_seconds is not None)
     committed = [i for i in infos if i.committed]
     if not committed:
         return []

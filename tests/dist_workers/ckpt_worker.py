@@ -1,15 +1,20 @@
 """One rank of a multi-process checkpoint scenario (tests/test_checkpoint_distributed.py).
 
-    python ckpt_worker.py SCENARIO CKPT_DIR OUT_DIR
+The test starts ranks with :func:`entry` as the target of a ``forkserver`` process whose
+server has imported torch once (importing torch costs ~3 s of CPU per process, which is most
+of a scenario's time on 2 cores). Run by hand, it is a script::
 
-Environment: ``RANK``, ``WORLD_SIZE``, ``MASTER_PORT`` (gloo on 127.0.0.1). With
-``WORLD_SIZE=1`` no process group is created (a plain single-process restore). Each rank
+    RANK=0 WORLD_SIZE=2 MASTER_PORT=29500 python ckpt_worker.py SCENARIO CKPT_DIR OUT_DIR
+
+With ``WORLD_SIZE=1`` no process group is created (a plain single-process restore). Each rank
 writes what the test compares to ``OUT_DIR/<SCENARIO>.rank<R>.pt`` (tensors and plain
-values, read back with ``weights_only=True``); logs go to stderr.
+values, read back with ``weights_only=True``) and logs to ``OUT_DIR/<SCENARIO>.rank<R>.log``
+(stderr when run by hand).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import logging
 import os
@@ -123,7 +128,9 @@ def replicated_restore(ckpt: str, coord: Coordinator) -> dict[str, Any]:
     return out
 
 
-def corrupt_save(ckpt: str, coord: Coordinator) -> dict[str, Any]:
+def corrupt(ckpt: str, coord: Coordinator) -> dict[str, Any]:
+    """Save steps 2 and 4, damage rank 1's file of step 4, restore with fresh objects (one
+    launch instead of two: the restart itself is covered by the replicated scenario)."""
     model, wrapped, opt = ddp_model(0)
     seed_all(100 + RANK)
     mgr = CheckpointManager(
@@ -137,7 +144,16 @@ def corrupt_save(ckpt: str, coord: Coordinator) -> dict[str, Any]:
         if mgr.maybe_save(step):
             weights[step] = params(model)
     mgr.close()
-    return {"weights": weights}
+    dist.barrier()
+    if RANK == 0:  # the disk's doing: one flipped byte, same size, in rank 1's file only
+        path = os.path.join(ckpt, "step-000000000004", "rank-00001.pt")
+        with open(path, "rb") as f:
+            data = bytearray(f.read())
+        data[len(data) // 2] ^= 0xFF
+        with open(path, "wb") as f:
+            f.write(data)
+    dist.barrier()
+    return {"weights": weights, "restored": replicated_restore(ckpt, coord)}
 
 
 # --- the shared time decision -----------------------------------------------------------
@@ -207,19 +223,20 @@ def fsdp_mlp(seed: int) -> tuple[nn.Module, torch.optim.Optimizer]:
     from torch.distributed.fsdp import fully_shard
 
     model = mlp(seed)
-    for layer in model:
+    for layer in model.children():
         if isinstance(layer, nn.Linear):
             fully_shard(layer)
     fully_shard(model)
     return model, torch.optim.AdamW(model.parameters(), lr=0.01)
 
 
-def full_state(model: nn.Module, opt: torch.optim.Optimizer) -> dict[str, Any]:
-    """Unsharded copies of the weights and the AdamW moments, keyed by parameter name
-    (collective for FSDP models: full_tensor all-gathers)."""
-    def full(t: torch.Tensor) -> torch.Tensor:
-        return (t.full_tensor() if hasattr(t, "full_tensor") else t).detach().clone()
+def full(t: torch.Tensor) -> torch.Tensor:
+    """An unsharded copy (collective for a DTensor: full_tensor all-gathers)."""
+    return (t.full_tensor() if hasattr(t, "full_tensor") else t).detach().clone()
 
+
+def full_state(model: nn.Module, opt: torch.optim.Optimizer) -> dict[str, Any]:
+    """Unsharded copies of the weights and the AdamW moments, keyed by parameter name."""
     weights = {k: full(v) for k, v in model.state_dict().items()}
     names = {id(p): n for n, p in model.named_parameters()}
     moments = {}
@@ -228,24 +245,46 @@ def full_state(model: nn.Module, opt: torch.optim.Optimizer) -> dict[str, Any]:
     return {"weights": weights, "moments": moments}
 
 
+def table(model: nn.Module, fill: torch.Tensor) -> torch.Tensor:
+    """A tensor outside any module, sharded like the model's parameters when they are."""
+    param = next(model.parameters())
+    if not hasattr(param, "device_mesh"):
+        return fill.clone()
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    return distribute_tensor(fill, param.device_mesh, [Shard(0)])
+
+
 def sharded_save(ckpt: str, coord: Coordinator) -> dict[str, Any]:
     model, opt = fsdp_mlp(0)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)  # -> shared.pt
+    aux = {"table": table(model, torch.arange(8.0))}  # a plain tree with a DTensor -> DCP
     seed_all(100 + RANK)
     mgr = CheckpointManager(ckpt, options=CheckpointOptions(policy=every_n_steps(3)),
                             coordinator=coord)
-    mgr.track(model=model, optimizer=opt)
+    mgr.track(model=model, optimizer=opt, sched=sched, aux=aux)
     saved: dict[str, Any] = {}
     for step in range(1, 6):
         train_step(model, opt, inputs=16)
+        sched.step()
+        aux["table"].add_(1.0)
         mgr.values["position"] = 1000 * RANK + step
         if mgr.maybe_save(step):
             # Expected state taken after the async save started: training has not moved yet.
             saved = {"step": step, **full_state(model, opt), "values": dict(mgr.values),
-                     "rng_after": rng_probe(), "blocking_s": mgr.last_blocking_s}
+                     "rng_after": rng_probe(), "blocking_s": mgr.last_blocking_s,
+                     "sched": sched.state_dict(), "table": full(aux["table"])}
         # Later steps change the weights while the writer may still be writing step 3.
     mgr.close()
     saved["final"] = full_state(model, opt)["weights"]
     return saved
+
+
+def sharded(ckpt: str, coord: Coordinator) -> dict[str, Any]:
+    """Save with 2 ranks, then restore into fresh FSDP objects and a fresh manager (one
+    launch; the 1-rank restore in its own process covers the restart)."""
+    saved = sharded_save(ckpt, coord)
+    return {"saved": saved, "restored": sharded_restore(ckpt, coord)}
 
 
 def sharded_restore(ckpt: str, coord: Coordinator) -> dict[str, Any]:
@@ -254,34 +293,61 @@ def sharded_restore(ckpt: str, coord: Coordinator) -> dict[str, Any]:
     else:  # a different world size: one process, a plain model
         model = mlp(7)
         opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
+    aux = {"table": table(model, torch.zeros(8))}
     seed_all(999)
     mgr = CheckpointManager(ckpt, options=CheckpointOptions(policy=never()), coordinator=coord)
-    mgr.track(model=model, optimizer=opt)
+    mgr.track(model=model, optimizer=opt, sched=sched, aux=aux)
     step = mgr.restore_latest()
     out = {"step": step, **full_state(model, opt), "values": dict(mgr.values),
            "rng_after": rng_probe(), "sharded": any(hasattr(p, "full_tensor")
-                                                   for p in model.parameters())}
-    # The restored objects train on: one more step works and the next save is sharded too.
+                                                   for p in model.parameters()),
+           "sched": sched.state_dict(), "table": full(aux["table"]),
+           "lrs": [g["lr"] for g in opt.param_groups]}
+    # The restored objects train on.
     train_step(model, opt, inputs=16)
     mgr.close()
     return out
 
 
+def sharded_gcs(ckpt: str, coord: Coordinator) -> dict[str, Any]:
+    """Sharded save and restore on an object store (the GCS emulator): DCP through fsspec,
+    the step written in place with the marker last."""
+    options = CheckpointOptions(policy=every_n_steps(3), storage_options={
+        "endpoint_url": os.environ["RT_GCS_ENDPOINT"], "token": "anon"})
+    model, opt = fsdp_mlp(0)
+    mgr = CheckpointManager(ckpt, options=options, coordinator=coord)
+    mgr.track(model=model, optimizer=opt)
+    saved: dict[str, Any] = {}
+    for step in range(1, 4):
+        train_step(model, opt, inputs=16)
+        if mgr.maybe_save(step):
+            mgr.wait()
+            saved = full_state(model, opt)
+    mgr.close()
+    model, opt = fsdp_mlp(7)
+    mgr = CheckpointManager(ckpt, options=dataclasses.replace(options, policy=never()),
+                            coordinator=coord)
+    mgr.track(model=model, optimizer=opt)
+    restored_step = mgr.restore_latest()
+    mgr.close()
+    return {"saved": saved, "restored": {"step": restored_step, **full_state(model, opt)}}
+
+
 SCENARIOS: dict[str, Callable[[str, Coordinator], dict[str, Any]]] = {
+    "sharded_gcs": sharded_gcs,
     "replicated_save": replicated_save,
     "replicated_restore": replicated_restore,
-    "corrupt_save": corrupt_save,
-    "corrupt_restore": replicated_restore,
+    "corrupt": corrupt,
     "timed_saves": timed_saves,
     "sigterm": sigterm,
-    "sharded_save": sharded_save,
+    "sharded": sharded,
     "sharded_restore": sharded_restore,
 }
 
 
-def main() -> None:
-    scenario, ckpt, out = sys.argv[1:4]
-    logging.basicConfig(level=logging.INFO, stream=sys.stderr,
+def run(scenario: str, ckpt: str, out: str) -> None:
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr, force=True,
                         format=f"%(asctime)s rank{RANK} %(name)s %(levelname)s %(message)s")
     os.environ["WORKER_OUT"] = out
     coord = init()
@@ -289,5 +355,22 @@ def main() -> None:
     finish(coord, out, scenario, result)
 
 
+def entry(scenario: str, ckpt: str, out: str, env: dict[str, str]) -> None:
+    """Process target: this rank's environment, output to its log file, then the scenario.
+    A SystemExit (the SIGTERM scenario's 134) becomes the process's exit code."""
+    global RANK, WORLD, TIMEOUT_S
+    os.environ.update(env)
+    RANK, WORLD = int(env["RANK"]), int(env["WORLD_SIZE"])
+    TIMEOUT_S = float(env.get("WORKER_TIMEOUT_S", TIMEOUT_S))
+    if "OMP_NUM_THREADS" in env:  # torch read the variable at import, in the server
+        torch.set_num_threads(int(env["OMP_NUM_THREADS"]))
+    fd = os.open(os.path.join(out, f"{scenario}.rank{RANK}.log"),
+                 os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.close(fd)
+    run(scenario, ckpt, out)
+
+
 if __name__ == "__main__":
-    main()
+    run(*sys.argv[1:4])

@@ -1,0 +1,228 @@
+"""Crash-test worker: a warm parent that forks saving children and SIGKILLs them.
+
+The parent imports torch and the package once (about 2 s), then serves commands, one JSON
+object per line on stdin, answering one JSON line on stdout:
+
+    {"cmd": "run", "url": ..., "storage_options": {...} | null, "async_save": bool,
+     "numel": int, "train_s": float, "keep_last": int, "report": path, "error_file": path,
+     "kill_after_s": float}
+        fork a child that restores the latest checkpoint (like a restarted job) and then
+        loops: advance the model one step (crash_model), simulated compute (train_s),
+        save the step. Once the child is in its loop, wait kill_after_s (the randomised
+        kill instant the test drew), SIGKILL it, reap it, and answer
+        {"event": "killed", "signal": 9, "main": ..., "writer": ..., ...}
+        naming what the child was doing when it died.
+    {"cmd": "quit"}
+
+The child reports to ``report`` (appending, no fsync needed: SIGKILL keeps the page
+cache): ``restored <step|none>`` once, then ``committed <k>`` whenever the manager's
+last committed step changes after a ``save`` returns. Where it was when it died is kept in
+a shared memory page that the parent reads after the kill: ``main`` (restore / train /
+save) and ``writer`` (idle / data / manifest / marker / commit / retention). Forking a
+warm parent makes a kill cost tens of milliseconds instead of a fresh interpreter.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import mmap
+import os
+import signal
+import struct
+import sys
+import time
+import traceback
+from typing import Any
+
+os.environ.setdefault("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")
+
+import gcsfs  # noqa: F401 - warm import for the GCS children (no threads, no loop yet)
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import crash_model
+
+from resilient_train.checkpoint.manager import CheckpointManager, CheckpointOptions
+from resilient_train.checkpoint.manifest import MANIFEST, MARKER
+from resilient_train.checkpoint.retention import RetentionPolicy
+from resilient_train.checkpoint.storage import RetryOptions
+
+MAIN_PHASES = ["start", "restore", "train", "save"]
+WRITER_PHASES = ["idle", "begin", "data", "manifest", "marker", "commit", "retention"]
+# Shared page: main phase (byte 0), writer phase (byte 1), step being written (8..16),
+# saves started (16..24), last step reported committed (24..32, -1: none).
+_LAYOUT = struct.Struct("<BB6xqqq")
+READY_LIMIT_S = 120.0
+
+
+class Shared:
+    def __init__(self) -> None:
+        self.page = mmap.mmap(-1, mmap.PAGESIZE)  # MAP_SHARED | MAP_ANONYMOUS: fork keeps it
+
+    def reset(self) -> None:
+        _LAYOUT.pack_into(self.page, 0, 0, 0, -1, 0, -1)
+
+    def read(self) -> dict[str, Any]:
+        main, writer, step, saves, committed = _LAYOUT.unpack_from(self.page, 0)
+        return {"main": MAIN_PHASES[main], "writer": WRITER_PHASES[writer],
+                "writing_step": step, "saves_started": saves, "last_committed": committed}
+
+    def main(self, phase: str) -> None:
+        self.page[0] = MAIN_PHASES.index(phase)
+
+    def writer(self, phase: str) -> None:
+        self.page[1] = WRITER_PHASES.index(phase)
+
+    def set_int(self, offset: int, value: int) -> None:
+        struct.pack_into("<q", self.page, offset, value)
+
+    def get_int(self, offset: int) -> int:
+        return int(struct.unpack_from("<q", self.page, offset)[0])
+
+
+def _instrument(mgr: CheckpointManager, shared: Shared) -> None:
+    """Record the phase each wrapped call is in; wrappers only, no behaviour change."""
+    storage = mgr.storage
+
+    def wrap(obj: Any, name: str, before: Any, after: Any = None) -> None:
+        real = getattr(obj, name, None)
+        if real is None:
+            return
+
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            before(*args)
+            try:
+                return real(*args, **kwargs)
+            finally:
+                if after is not None:
+                    after()
+
+        setattr(obj, name, wrapper)
+
+    real_open_write = storage.open_write
+
+    @contextlib.contextmanager
+    def open_write(rel: str) -> Any:
+        shared.writer("data")
+        with real_open_write(rel) as f:
+            yield f
+
+    storage.open_write = open_write  # type: ignore[method-assign]
+    wrap(storage, "write_bytes", lambda rel, *a: shared.writer(
+        "marker" if rel.endswith(MARKER) else "manifest" if rel.endswith(MANIFEST) else "data"))
+    def fsync_dir(*a: Any) -> None:
+        if shared.read()["writer"] != "retention":  # prune fsyncs too
+            shared.writer("commit")
+
+    wrap(storage, "fsync_dir", fsync_dir)
+    wrap(storage, "rename_dir", lambda *a: shared.writer("commit"))
+
+    def begin_write(step: int, *a: Any) -> None:
+        shared.set_int(8, step)
+        shared.writer("begin")
+
+    wrap(mgr, "_write", begin_write, lambda: shared.writer("idle"))
+    wrap(mgr, "_apply_retention", lambda *a: shared.writer("retention"))
+
+    def begin_save(*a: Any) -> None:
+        shared.set_int(16, shared.get_int(16) + 1)
+        shared.main("save")
+
+    wrap(mgr, "save", begin_save, lambda: shared.main("train"))
+
+
+def child(cmd: dict[str, Any], shared: Shared) -> None:
+    shared.main("start")
+    torch.set_num_threads(1)
+    numel = int(cmd["numel"])
+    report = os.open(cmd["report"], os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+
+    def say(line: str) -> None:
+        os.write(report, (line + "\n").encode())
+
+    model = crash_model.build(numel)
+    options = CheckpointOptions(
+        async_save=bool(cmd["async_save"]),
+        retention=RetentionPolicy(keep_last=int(cmd["keep_last"])),
+        retry=RetryOptions(deadline_s=30.0, initial_s=0.01, max_wait_s=0.1),
+        storage_options=cmd.get("storage_options"))
+    mgr = CheckpointManager(cmd["url"], options=options)
+    _instrument(mgr, shared)
+    mgr.track(model=model)
+    shared.main("restore")
+    restored = mgr.restore_latest()
+    step = restored or 0
+    problem = crash_model.mismatch(model, numel, step)
+    if problem is None and restored is not None and mgr.values != crash_model.values_of(step):
+        problem = f"values {mgr.values} are not step {step}'s"
+    if problem:
+        raise AssertionError(f"the child restored step {restored}: {problem}")
+    say(f"restored {'none' if restored is None else restored}")
+    last = mgr.last_commit_step
+    shared.main("train")
+    while True:
+        step += 1
+        crash_model.advance(model)
+        mgr.values.clear()
+        mgr.values.update(crash_model.values_of(step))
+        if cmd["train_s"]:
+            time.sleep(float(cmd["train_s"]))  # the simulated compute of one step
+        mgr.save(step)
+        if mgr.last_commit_step != last:
+            last = mgr.last_commit_step
+            assert last is not None
+            say(f"committed {last}")
+            shared.set_int(24, last)
+
+
+def run(cmd: dict[str, Any], shared: Shared) -> dict[str, Any]:
+    shared.reset()
+    pid = os.fork()
+    if pid == 0:  # the child: never returns
+        code = 0
+        try:
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, 1)  # stdout is the parent's answer channel
+            child(cmd, shared)
+        except BaseException:  # noqa: BLE001 - any failure of the child is reported
+            with open(cmd["error_file"], "a", encoding="utf-8") as f:
+                f.write(traceback.format_exc())
+            code = 3
+        os._exit(code)
+    deadline = time.monotonic() + READY_LIMIT_S
+    early: int | None = None
+    while shared.read()["main"] not in ("train", "save"):
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            early = status
+            break
+        if time.monotonic() > deadline:
+            break
+        time.sleep(0.0005)
+    if early is None:
+        time.sleep(float(cmd["kill_after_s"]))  # the randomised kill instant
+        os.kill(pid, signal.SIGKILL)
+        _, status = os.waitpid(pid, 0)
+    else:
+        status = early
+    state = shared.read()
+    return {"event": "killed",
+            "signal": os.WTERMSIG(status) if os.WIFSIGNALED(status) else None,
+            "exit": os.WEXITSTATUS(status) if os.WIFEXITED(status) else None,
+            "died_early": early is not None, **state}
+
+
+def main() -> None:
+    shared = Shared()
+    print(json.dumps({"event": "ready", "pid": os.getpid()}), flush=True)
+    for line in sys.stdin:
+        cmd = json.loads(line)
+        if cmd["cmd"] == "quit":
+            break
+        answer = run(cmd, shared)
+        print(json.dumps(answer), flush=True)
+
+
+if __name__ == "__main__":
+    main()

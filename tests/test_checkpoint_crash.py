@@ -1,0 +1,307 @@
+"""SIGKILL a process while it saves checkpoints, at random instants, and check the commit
+protocol (DESIGN.md section 3) held every time.
+
+`tests/ckpt_workers/saver.py` is a warm parent (torch imported once) that forks a child per
+run: the child restores the latest checkpoint like a restarted job, then saves every step
+(sync or async, tensors of 1-8 MiB so that one save takes tens of milliseconds) while its
+weights follow a known formula (`crash_model`: step k's weights are exactly base + k). The
+parent SIGKILLs the child at the instant the test drew from a seeded RNG and reports where
+the child was (restore / between saves / snapshot / writing data / manifest / marker /
+commit / retention, from a shared memory page the child updates).
+
+After every kill, in the test process, with fresh objects:
+  * ``restore_latest()`` returns None only if nothing was ever reported committed (and no
+    committed step exists), else the newest committed step, whose weights and user values
+    are exactly that step's;
+  * every committed step verifies (``verify_step``: marker, manifest, sizes, checksums);
+  * nothing reported committed is lost: the restored step is >= every step the children
+    reported committed (retention may delete old steps, never the newest);
+  * the next child restores the same step the test restored.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import random
+import subprocess
+import sys
+import threading
+from collections import Counter
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO, Any
+
+import pytest
+from ckpt_workers import crash_model
+
+from resilient_train.checkpoint.manager import (
+    CheckpointManager,
+    CheckpointOptions,
+    scan,
+    verify_step,
+)
+from resilient_train.checkpoint.storage import RetryOptions
+
+pytestmark = pytest.mark.slow
+
+SAVER = Path(__file__).parent / "ckpt_workers" / "saver.py"
+FAST = RetryOptions(deadline_s=30.0, initial_s=0.01, max_wait_s=0.1)
+ANSWER_LIMIT_S = 120.0
+SEED = 20261129
+MIB = 1 << 20
+
+
+@dataclass(frozen=True)
+class Config:
+    async_save: bool
+    numel: int           # float32 elements in the model (4 tensors)
+    train_s: float       # simulated compute per step
+    max_delay_s: float   # kill instants are uniform in [0, max_delay_s] after the restore
+
+    def describe(self) -> str:
+        return (f"{'async' if self.async_save else 'sync'} {self.numel * 4 // MIB} MiB "
+                f"train {self.train_s * 1000:.0f} ms")
+
+
+# A save of 1 / 4 / 8 MiB takes about 20 / 40 / 70 ms on this machine's local disk (fsync
+# included); the delays span several saves so kills land all across them.
+LOCAL_CONFIGS = [
+    Config(False, MIB // 4, 0.010, 0.20),
+    Config(True, MIB // 4, 0.040, 0.25),
+    Config(False, MIB, 0.003, 0.25),
+    Config(True, MIB, 0.010, 0.25),
+    Config(False, 2 * MIB, 0.0, 0.40),
+    Config(True, 2 * MIB, 0.020, 0.40),
+    Config(False, MIB // 4, 0.0, 0.15),
+    Config(True, 2 * MIB, 0.0, 0.40),
+    Config(False, MIB, 0.020, 0.25),
+    Config(True, MIB // 4, 0.005, 0.20),
+]
+LOCAL_KILLS_PER_DIR = 10   # 10 directories x 10 kills = 100 kills
+
+# Through gcsfs to the emulator: 1 and 1.5 MiB are single-request uploads; at 6 MiB
+# shared.pt is above gcsfs's 5 MiB threshold and goes up as a resumable upload.
+GCS_CONFIGS = [
+    Config(False, MIB // 4, 0.005, 0.6),
+    Config(True, (3 * MIB) // 8, 0.010, 0.6),
+    Config(False, (3 * MIB) // 2, 0.0, 1.0),
+]
+GCS_KILLS_PER_BUCKET = 10  # 3 buckets x 10 kills = 30 kills
+
+
+# --- the worker ----------------------------------------------------------------------------
+
+
+class Saver:
+    """The warm parent process; one JSON command in, one JSON answer out."""
+
+    def __init__(self, log_path: Path) -> None:
+        self.log_path = log_path
+        self._log = open(log_path, "wb")  # noqa: SIM115 - closed in stop()
+        env = dict(os.environ, GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT="false", PYTHONUNBUFFERED="1")
+        self.proc = subprocess.Popen([sys.executable, str(SAVER)], stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, stderr=self._log, env=env)
+        self._lines: queue.Queue[bytes] = queue.Queue()
+        assert self.proc.stdout is not None
+        threading.Thread(target=self._pump, args=(self.proc.stdout,), daemon=True).start()
+        assert self._answer()["event"] == "ready"
+
+    def _pump(self, out: IO[bytes]) -> None:
+        for line in out:
+            self._lines.put(line)
+        self._lines.put(b"")
+
+    def _answer(self) -> dict[str, Any]:
+        try:
+            line = self._lines.get(timeout=ANSWER_LIMIT_S)
+        except queue.Empty:
+            raise AssertionError(f"the saver did not answer within {ANSWER_LIMIT_S} s; "
+                                 f"its log: {self.log()}") from None
+        if not line:
+            raise AssertionError(f"the saver exited ({self.proc.wait()}); its log: {self.log()}")
+        return dict(json.loads(line))
+
+    def log(self) -> str:
+        self._log.flush()
+        return self.log_path.read_text(errors="replace")[-4000:]
+
+    def run(self, **cmd: Any) -> dict[str, Any]:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write((json.dumps({"cmd": "run", **cmd}) + "\n").encode())
+        self.proc.stdin.flush()
+        return self._answer()
+
+    def stop(self) -> None:
+        if self.proc.poll() is None and self.proc.stdin is not None:
+            try:
+                self.proc.stdin.write(b'{"cmd": "quit"}\n')
+                self.proc.stdin.close()
+                self.proc.wait(timeout=30)
+            except (OSError, subprocess.TimeoutExpired):
+                self.proc.kill()
+                self.proc.wait(timeout=30)
+        self._log.close()
+
+
+@pytest.fixture
+def saver(tmp_path: Path) -> Iterator[Saver]:
+    s = Saver(tmp_path / "saver.log")
+    try:
+        yield s
+    finally:
+        s.stop()
+
+
+# --- the checks ------------------------------------------------------------------------------
+
+
+@dataclass
+class Directory:
+    """One checkpoint directory, killed into over and over."""
+
+    url: str
+    storage_options: dict[str, Any] | None
+    config: Config
+    work: Path                   # report and error files
+    restored: int | None = None  # what the test restored after the last kill
+    runs: int = 0
+
+    @property
+    def report(self) -> Path:
+        return self.work / "committed.txt"
+
+    @property
+    def errors(self) -> Path:
+        return self.work / "child-errors.txt"
+
+    def reported(self) -> tuple[list[int], list[str]]:
+        committed, restored = [], []
+        if self.report.exists():
+            for line in self.report.read_text().splitlines():
+                kind, _, value = line.partition(" ")
+                if kind == "committed":
+                    committed.append(int(value))
+                elif kind == "restored":
+                    restored.append(value)
+        return committed, restored
+
+
+def kill_once(saver: Saver, d: Directory, rng: random.Random) -> dict[str, Any]:
+    d.work.mkdir(parents=True, exist_ok=True)
+    delay = rng.uniform(0.0, d.config.max_delay_s)
+    answer = saver.run(url=d.url, storage_options=d.storage_options,
+                       async_save=d.config.async_save, numel=d.config.numel,
+                       train_s=d.config.train_s, keep_last=2, report=str(d.report),
+                       error_file=str(d.errors), kill_after_s=delay)
+    d.runs += 1
+    errors = d.errors.read_text() if d.errors.exists() else ""
+    assert answer["signal"] == 9 and not answer["died_early"], (
+        f"the child was not killed by us: {answer}\nchild errors:\n{errors}\n"
+        f"saver log:\n{saver.log()}")
+    check_directory(d)
+    answer["delay_s"] = delay
+    answer["restored_after"] = d.restored
+    return answer
+
+
+def check_directory(d: Directory) -> None:
+    numel = d.config.numel
+    committed_reports, restored_reports = d.reported()
+    # The child restored what the test restored after the previous kill.
+    assert len(restored_reports) == d.runs, restored_reports
+    assert restored_reports[-1] == ("none" if d.restored is None else str(d.restored))
+
+    model = crash_model.build(numel, fill=float("nan"))  # a restore must overwrite all of it
+    mgr = CheckpointManager(d.url, options=CheckpointOptions(
+        retry=FAST, storage_options=d.storage_options, async_save=False))
+    try:
+        mgr.track(model=model)
+        restored = mgr.restore_latest()
+        infos = scan(mgr.storage)
+        committed = [i for i in infos if i.committed]
+        for info in committed:
+            checked = verify_step(mgr.storage, info)
+            assert checked.ok, f"committed step {info.name} does not verify: {checked.problems}"
+        if restored is None:
+            assert not committed and not committed_reports, (committed, committed_reports)
+        else:
+            assert restored == max(i.step for i in committed)
+            problem = crash_model.mismatch(model, numel, restored)
+            assert problem is None, problem
+            assert mgr.values == crash_model.values_of(restored)
+            assert restored >= max(committed_reports, default=0), (
+                f"step {max(committed_reports)} was reported committed, the latest is "
+                f"{restored}")
+    finally:
+        mgr.close()
+    d.restored = restored
+
+
+def where(answer: dict[str, Any]) -> str:
+    """'between saves' or 'mid-save: <phase>' (or 'restore': the child's own start)."""
+    if answer["writer"] not in ("idle",):
+        return f"mid-save: {answer['writer']}"
+    if answer["main"] == "save":
+        return "mid-save: snapshot or waiting for the previous save"
+    if answer["main"] == "train":
+        return "between saves"
+    return answer["main"]
+
+
+def summarise(title: str, answers: list[dict[str, Any]], dirs: list[Directory]) -> Counter[str]:
+    places = Counter(where(a) for a in answers)
+    mid = sum(n for k, n in places.items() if k.startswith("mid-save"))
+    lines = [(f"{title}: {len(answers)} kills, {mid} mid-save, {places['between saves']} "
+              f"between saves")]
+    lines += [f"  {n:4d}  {k}" for k, n in sorted(places.items())]
+    nothing = sum(1 for a in answers if a["last_committed"] < 0)
+    empty = sum(1 for a in answers if a["restored_after"] is None)
+    lines.append(f"  kills before that run's first commit: {nothing}; kills after which the "
+                 f"directory had no commit yet: {empty}; steps restored at the end: "
+                 f"{[d.restored for d in dirs]}")
+    print("\n".join(lines))
+    return places
+
+
+def crash_loop(saver: Saver, dirs: list[Directory], kills_per_dir: int, seed: int
+               ) -> list[dict[str, Any]]:
+    rng = random.Random(seed)
+    answers = []
+    for d in dirs:
+        for _ in range(kills_per_dir):
+            answers.append(kill_once(saver, d, rng))
+    return answers
+
+
+def test_sigkill_during_saves_local_disk(saver: Saver, tmp_path: Path) -> None:
+    dirs = [Directory(str(tmp_path / f"ckpt-{i}"), None, c, tmp_path / f"work-{i}")
+            for i, c in enumerate(LOCAL_CONFIGS)]
+    answers = crash_loop(saver, dirs, LOCAL_KILLS_PER_DIR, SEED)
+    places = summarise("local disk", answers, dirs)
+    assert len(answers) == 100
+    # The kills really spread over the save: most land inside one, some between saves,
+    # and across its stages, not all in one.
+    mid = sum(n for k, n in places.items() if k.startswith("mid-save"))
+    assert mid >= 50 and places["between saves"] >= 3, places
+    assert places["mid-save: data"] >= 20, places
+    assert sum(n for k, n in places.items()
+               if k.split(": ")[-1] in ("manifest", "marker", "commit", "retention")) >= 3
+    # Not vacuous: after most kills there was a commit to restore and check.
+    assert sum(a["restored_after"] is not None for a in answers) >= 50
+    assert sum(d.restored is not None for d in dirs) >= 8, [d.restored for d in dirs]
+
+
+def test_sigkill_during_saves_gcs_emulator(saver: Saver, tmp_path: Path,
+                                           gcs_server: Any) -> None:
+    options = {"endpoint_url": gcs_server.endpoint, "token": "anon"}
+    dirs = [Directory(f"gs://{gcs_server.create_bucket()}/run", options, c,
+                      tmp_path / f"work-{i}") for i, c in enumerate(GCS_CONFIGS)]
+    answers = crash_loop(saver, dirs, GCS_KILLS_PER_BUCKET, SEED + 1)
+    places = summarise("GCS emulator", answers, dirs)
+    assert len(answers) == 30
+    mid = sum(n for k, n in places.items() if k.startswith("mid-save"))
+    assert mid >= 15, places
+    assert sum(a["restored_after"] is not None for a in answers) >= 15
