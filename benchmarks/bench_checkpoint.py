@@ -222,11 +222,17 @@ class Results:
 
     def add(self, op: str, samples: list[float], *, ratio: float | None = None,
             ratio_def: str = "", target: str = "", ok: bool | None = None,
-            note: str = "") -> None:
-        self.rows.append({"operation": op, "seconds": median(samples),
-                          "samples": [round(x, 4) for x in samples],
-                          "ratio": ratio, "ratio_def": ratio_def, "target": target,
-                          "pass": ok, "note": note})
+            note: str = "", paired: tuple[list[float], list[float]] | None = None) -> None:
+        """``ratio`` is a ratio of medians; ``paired`` (numerator and denominator samples
+        of the same rounds) adds the median of the per-round ratios, which is less
+        sensitive to slow drift (other processes, disk write-back) across rounds."""
+        row = {"operation": op, "seconds": median(samples),
+               "samples": [round(x, 4) for x in samples],
+               "ratio": ratio, "ratio_def": ratio_def, "target": target,
+               "pass": ok, "note": note}
+        if paired is not None:
+            row["ratio_paired_median"] = median([a / b for a, b in zip(*paired)])
+        self.rows.append(row)
 
 
 # --- 1. async save blocking time vs a bare copy ------------------------------------------
@@ -265,7 +271,8 @@ def bench_async(model: Model, root: str, repeats: int, res: Results) -> dict[str
     ratio = median(blocking) / median(copies)
     res.add("bare copy into touched buffers", copies, note="baseline for 1")
     res.add("ours: async save, blocking (last_blocking_s)", blocking, ratio=ratio,
-            ratio_def="ours/copy", target="<= 1.5", ok=ratio <= 1.5)
+            ratio_def="ours/copy", target="<= 1.5", ok=ratio <= 1.5,
+            paired=(blocking, copies))
     res.add("ours: async save, background write after", background,
             note="info: save() return -> wait() done")
     return {"save_call_s": calls}
@@ -310,7 +317,8 @@ def bench_sync(model: Model, root: str, repeats: int, res: Results) -> str:
     ratio = median(got["torch"]) / median(got["ours"])
     res.add("ours: sync save, local (commit incl.)", got["ours"], ratio=ratio,
             ratio_def="torch.save/ours", target=">= 1.0", ok=ratio >= 1.0,
-            note="incl. retention deleting the previous step")
+            note="incl. retention deleting the previous step",
+            paired=(got["torch"], got["ours"]))
     res.add("torch.save + flush + fsync", got["torch"], note="baseline for 2")
     rr = median(got["raw"]) / median(got["ours"])
     res.add("raw os.write + fsync (same bytes)", got["raw"], ratio=rr, ratio_def="raw/ours",
@@ -351,7 +359,8 @@ def bench_restore(model: Model, root: str, tpath: str, repeats: int,
               f"cold: at most {max(known) * 100:.1f}% of the files cached before a read")
     ratio = median(got["load"]) / median(got["ours"])
     res.add("ours: restore_latest (crc + load_state_dict)", got["ours"], ratio=ratio,
-            ratio_def="torch.load/ours", target=">= 1.0", ok=ratio >= 1.0, note=cached)
+            ratio_def="torch.load/ours", target=">= 1.0", ok=ratio >= 1.0, note=cached,
+            paired=(got["load"], got["ours"]))
     res.add("torch.load(weights_only=True)", got["load"], note="baseline for 3")
     res.add("torch.load + load_state_dict", got["load+apply"],
             ratio=median(got["load+apply"]) / median(got["ours"]),
@@ -417,7 +426,7 @@ def bench_gcs(size_bytes: int, repeats: int, res: Results, log_dir: str) -> dict
         res.add(f"ours: sync save to gs:// ({nbytes / 2**30:.2f} GiB)", ours, ratio=ratio,
                 ratio_def="raw/ours", target=">= 0.8", ok=ratio >= 0.8,
                 note=f"ours {nbytes / median(ours) / 2**20:.0f} MiB/s; emulator peak RSS "
-                     f"{peak_rss / 2**30:.1f} GiB")
+                     f"{peak_rss / 2**30:.1f} GiB", paired=(raw, ours))
         res.add("torch.save to buffer + gcsfs pipe", raw, note="baseline for 4")
         res.add("  gcsfs pipe only", pipe_only, ratio=median(pipe_only) / median(ours),
                 ratio_def="pipe/ours",
@@ -482,14 +491,17 @@ def bench_dcp(model: Model, root: str, tpath: str, repeats: int, res: Results,
 
 
 def print_table(rows: list[dict[str, Any]]) -> None:
-    head = f"{'operation':<47} {'seconds':>8} {'ratio':>7}  {'ratio =':<18} {'target':<7} {'':<4}  note"
+    """ratio: of the medians; per-round: median of the ratios within each round."""
+    head = (f"{'operation':<47} {'seconds':>8} {'ratio':>6} {'per-rnd':>7}  {'ratio =':<18} "
+            f"{'target':<7} {'':<4}  note")
     print(head)
     print("-" * len(head))
     for r in rows:
         secs = "-" if r["seconds"] is None else f"{r['seconds']:.3f}"
         ratio = "" if r["ratio"] is None else f"{r['ratio']:.2f}"
+        paired = f"{r['ratio_paired_median']:.2f}" if "ratio_paired_median" in r else ""
         ok = "" if r["pass"] is None else ("PASS" if r["pass"] else "FAIL")
-        print(f"{r['operation']:<47} {secs:>8} {ratio:>7}  {r['ratio_def']:<18} "
+        print(f"{r['operation']:<47} {secs:>8} {ratio:>6} {paired:>7}  {r['ratio_def']:<18} "
               f"{r['target']:<7} {ok:<4}  {r['note']}")
 
 

@@ -72,6 +72,16 @@ class TorchDistributed:
         self._dist.gather_object(payload, out, dst=0, group=self._writer)
         return out
 
+    @property
+    def main_group(self) -> Any:
+        """The training thread's gloo group (decisions, restore)."""
+        return self._main
+
+    @property
+    def writer_group(self) -> Any:
+        """The writer thread's gloo group (commits, DCP saves)."""
+        return self._writer
+
     def close(self) -> None:
         for group in (self._main, self._writer):
             try:

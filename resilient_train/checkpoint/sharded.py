@@ -149,7 +149,7 @@ def _group(coord: Coordinator, which: str) -> ProcessGroup | None:
     thread's own collectives (FSDP's all-gathers), so a multi-rank job must provide one."""
     if coord.world_size == 1:
         return None
-    group = getattr(coord, f"{which}_group", None) or getattr(coord, f"_{which}", None)
+    group = getattr(coord, f"{which}_group", None)
     if group is None:
         raise CheckpointError(
             f"sharded checkpoints with {coord.world_size} ranks need a coordinator with its own "
