@@ -396,6 +396,7 @@ def test_retention_keeps_last_two_and_milestones(cheap_backend: Backend) -> None
         for s in range(1, 12):
             tr.step()
             mgr.save(s)
+            mgr.wait()    # retention runs in the background after the commit
             expect = {k for k in range(1, s + 1) if k % 4 == 0} | {s - 1, s} - {0}
             assert set(committed_names(mgr.storage)) == expect, s
     st = cheap_backend.storage()
@@ -411,6 +412,7 @@ def test_retention_never_deletes_the_only_commit(cheap_backend: Backend,
         for s in (1, 2):
             tr.step()
             mgr.save(s)
+            mgr.wait()    # retention runs in the background after the commit
             assert set(committed_names(mgr.storage)) == {s}
         # A save that fails before its marker must not cost the only commit.
         real = Storage.write_bytes
@@ -453,6 +455,7 @@ def test_uncommitted_leftovers_older_than_latest_are_cleaned(backend: Backend) -
         assert [i.step for i in scan(st) if i.committed] == [1]
         tr.step()
         mgr.save(3)
+        mgr.wait()        # retention runs in the background after the commit
         names = set(st.listdir(""))
     assert old_other not in names
     assert old_mine in names and newer_other in names
@@ -482,8 +485,9 @@ def test_crash_while_deleting_an_old_step_leaves_no_committed_half(
         mgr.save(1)
         monkeypatch.setattr(shutil, "rmtree", dies_after_one_file)
         tr.step()
+        mgr.save(2)       # committed; retention then "dies" in the background
         with pytest.raises(Killed):
-            mgr.save(2)
+            mgr.wait()
         monkeypatch.setattr(shutil, "rmtree", real_rmtree)
     st = backend.storage()
     for info in scan(st):
@@ -617,12 +621,12 @@ def test_one_save_in_flight_at_a_time(tmp_path: Any, monkeypatch: pytest.MonkeyP
     events: list[str] = []
     real_open_write = Storage.open_write
 
-    def gated_open_write(self: Storage, rel: str) -> Any:
+    def gated_open_write(self: Storage, rel: str, **kw: Any) -> Any:
         events.append(f"write {rel.split('/')[0]} {rel.rsplit('/', 1)[-1]}")
         if rel.endswith("shared.pt") and not entered.is_set():
             entered.set()
             assert release.wait(DEADLINE_S), "never released"
-        return real_open_write(self, rel)
+        return real_open_write(self, rel, **kw)
 
     monkeypatch.setattr(Storage, "open_write", gated_open_write)
     backend = Backend("local", str(tmp_path / "ckpt"))

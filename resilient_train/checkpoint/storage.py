@@ -543,11 +543,19 @@ class Storage:
                 os.unlink(tmp)
             raise self._translate(exc, "write", rel, 1, 0.0) from exc
 
+    def local_path(self, rel: str = "") -> str | None:
+        """The file's real path on plain local disk (for mmap); None elsewhere."""
+        if self._fs is None and not self._fuse:
+            return self._local(_check_rel(rel, allow_root=True))
+        return None
+
     @contextlib.contextmanager
-    def open_write(self, rel: str) -> Iterator[BinaryIO]:
+    def open_write(self, rel: str, *, atomic: bool = True) -> Iterator[BinaryIO]:
         """Stream a large file; it appears only when the block exits without an exception.
 
-        Local: a temporary sibling, fsynced and renamed into place on close. FUSE and object
+        Local: a temporary sibling, fsynced and renamed into place on close (with
+        ``atomic=False``: written in place and fsynced, for files inside a directory that is
+        committed by its own rename). FUSE and object
         stores: spooled to a temporary file on local disk (``TMPDIR``), then uploaded with
         one ``put_file`` -- one object creation, retried as a whole. Disk,
         not memory, because checkpoint shards are as large as the model: an in-memory
@@ -556,8 +564,25 @@ class Storage:
         """
         rel = _check_rel(rel, allow_root=False)
         if self._fs is None and not self._fuse:
-            with self._local_atomic_file(rel, durable=True) as f:
-                yield f
+            if atomic:
+                with self._local_atomic_file(rel, durable=True) as f:
+                    yield f
+                return
+            # Inside a directory that is itself renamed into place (a checkpoint's temporary
+            # step directory) the per-file rename buys nothing: write in place and fsync.
+            path = self._local(rel)
+            try:
+                os.makedirs(os.path.dirname(path), exist_ok=True)
+                f = open(path, "wb")  # noqa: SIM115 - closed below on every path
+            except OSError as exc:
+                raise self._translate(exc, "write", rel, 1, 0.0) from exc
+            with f:
+                yield cast(BinaryIO, f)
+                try:
+                    f.flush()
+                    os.fsync(f.fileno())
+                except OSError as exc:
+                    raise self._translate(exc, "write", rel, 1, 0.0) from exc
             return
         with tempfile.NamedTemporaryFile(prefix=TMP_FILE_PREFIX, suffix=".upload") as spool:
             yield cast(BinaryIO, spool)

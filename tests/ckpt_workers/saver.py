@@ -103,9 +103,9 @@ def _instrument(mgr: CheckpointManager, shared: Shared) -> None:
     real_open_write = storage.open_write
 
     @contextlib.contextmanager
-    def open_write(rel: str) -> Any:
+    def open_write(rel: str, **kw: Any) -> Any:
         shared.writer("data")
-        with real_open_write(rel) as f:
+        with real_open_write(rel, **kw) as f:
             yield f
 
     storage.open_write = open_write  # type: ignore[method-assign]
