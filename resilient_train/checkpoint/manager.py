@@ -21,11 +21,12 @@ import io
 import mmap
 import logging
 import os
+import queue
 import signal
 import threading
 import time
 from collections.abc import Callable, Mapping
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any, BinaryIO
 
@@ -112,6 +113,44 @@ class _CrcWriter:
         self._f.flush()
 
 
+class _Writer:
+    """One background thread that runs jobs in order.
+
+    A daemon thread, unlike ThreadPoolExecutor's: a process that exits because a peer died
+    must not hang at exit on a save stuck in a collective with that peer. A save cut off
+    like that is simply never committed; ``close()`` still waits for the save in flight.
+    """
+
+    def __init__(self, name: str) -> None:
+        self._name = name
+        self._jobs: queue.SimpleQueue[tuple[Future[Any], Callable[..., Any], tuple[Any, ...]]
+                                      | None] = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+
+    def submit(self, fn: Callable[..., Any], *args: Any) -> Future[Any]:
+        fut: Future[Any] = Future()
+        self._jobs.put((fut, fn, args))
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name=self._name, daemon=True)
+            self._thread.start()
+        return fut
+
+    def _run(self) -> None:
+        while (job := self._jobs.get()) is not None:
+            fut, fn, args = job
+            if fut.set_running_or_notify_cancel():
+                try:
+                    fut.set_result(fn(*args))
+                except BaseException as exc:  # handed to whoever waits on the future
+                    fut.set_exception(exc)
+
+    def shutdown(self) -> None:
+        if self._thread is not None:
+            self._jobs.put(None)
+            self._thread.join()
+            self._thread = None
+
+
 class CheckpointManager:
     """Save, keep and restore training state; see the module docstring for the layout."""
 
@@ -121,6 +160,11 @@ class CheckpointManager:
                  clock: Callable[[], float] = time.time) -> None:
         self.options = options or CheckpointOptions()
         self.directory = os.fspath(directory) if directory is not None else default_directory()
+        # First, so a SIGTERM that arrives while the ranks still set up is not lost.
+        self._sigterm = False
+        self._old_sigterm: Any = None
+        if self.options.save_on_sigterm:
+            self._install_sigterm()
         self.storage = Storage(self.directory, retry=self.options.retry,
                                storage_options=self.options.storage_options)
         self.coord = coordinator or default_coordinator()
@@ -137,7 +181,7 @@ class CheckpointManager:
         self.values: dict[str, Any] = {}
         self._snapshot = HostSnapshot()
         self._sharded = ShardedCheckpointer(self.coord)  # FSDP2 / DTensor state: sharded.py
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rt-ckpt-writer")
+        self._executor = _Writer("rt-ckpt-writer")
         self._inflight: Future[None] | None = None
         self._error: BaseException | None = None
         self._lock = threading.Lock()
@@ -151,10 +195,6 @@ class CheckpointManager:
         self._next_sync_step = 0
         self._step_time = 0.0
         self._last_step_clock: float | None = None
-        self._sigterm = False
-        self._old_sigterm: Any = None
-        if self.options.save_on_sigterm:
-            self._install_sigterm()
 
     # --- what to save -----------------------------------------------------------------
 
@@ -242,7 +282,7 @@ class CheckpointManager:
         try:
             self.wait()
         finally:
-            self._executor.shutdown(wait=True)
+            self._executor.shutdown()
             self._sharded.close()
             if self._old_sigterm is not None:
                 signal.signal(signal.SIGTERM, self._old_sigterm)
