@@ -1,6 +1,6 @@
 """Benchmark checkpoint save / restore against the obvious baselines, side by side in one run.
 
-    python benchmarks/bench_checkpoint.py [--size-gb 1.0] [--repeats 3] [--skip-gcs]
+    python benchmarks/bench_checkpoint.py [--size-gb 1.0] [--repeats 5] [--skip-gcs]
                                           [--gcs-size-gb 0.5] [--out PATH] [--workdir DIR]
 
 The state is a model-like ``torch.nn.Module`` with 64 float32 parameters (``--size-gb`` in
@@ -512,7 +512,7 @@ def print_table(rows: list[dict[str, Any]]) -> None:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--size-gb", type=float, default=1.0, help="local state size (GiB)")
-    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--skip-gcs", action="store_true")
     ap.add_argument("--gcs-size-gb", type=float, default=0.5,
                     help="state size for the GCS emulator benchmark (GiB)")

@@ -33,7 +33,10 @@ _LAZY = {
 
 __all__ = [
     "EXIT_PERMANENT", "EXIT_TRANSIENT", "ClusterInfo", "ClusterSpecError", "PermanentError",
-    "TransientError", "exit_permanent", "exit_transient", "record", *_LAZY,
+    "TransientError", "exit_permanent", "exit_transient", "record",
+    # loaded on first use (see _LAZY)
+    "CheckpointManager", "CheckpointOptions", "RetentionPolicy", "RetryOptions", "every",
+    "every_n_steps",
 ]
 
 if TYPE_CHECKING:

@@ -8,6 +8,7 @@ size and crc32c, with no file the manifest does not know.
 from __future__ import annotations
 
 import json
+import mmap
 import re
 import time
 from collections.abc import Mapping
@@ -50,7 +51,7 @@ class Crc32c:
         self._crc = 0
         self.size = 0
 
-    def update(self, data: bytes | bytearray | memoryview) -> None:
+    def update(self, data: bytes | bytearray | memoryview | mmap.mmap) -> None:
         self._crc = _crc32c.crc32c(data, value=self._crc)
         self.size += memoryview(data).nbytes
 
