@@ -42,9 +42,12 @@ from .manifest import (
     Crc32c,
     FileEntry,
     Manifest,
+    check_entry,
     check_marker,
+    manifest_entry,
     marker_bytes,
     parse_step,
+    read_verified,
     step_dirname,
 )
 from .policy import FOUR_HOURS, SaveContext, SavePolicy, default_save_policy
@@ -550,33 +553,6 @@ def _structural_problems(manifest: Manifest, present: set[str], storage: Storage
     return problems
 
 
-def _check_entry(crc: Crc32c, entry: FileEntry, where: str) -> None:
-    if crc.size != entry.size or crc.hexdigest() != entry.crc32c:
-        raise CorruptCheckpointError(
-            f"{where}: checksum mismatch (crc32c {crc.hexdigest()}, {crc.size} bytes; the manifest "
-            f"says {entry.crc32c}, {entry.size} bytes)")
-
-
-def _entry(manifest: Manifest, fname: str, where: str) -> FileEntry:
-    entry = manifest.files.get(fname)
-    if entry is None:
-        raise CorruptCheckpointError(f"{where}: not listed in the manifest")
-    return entry
-
-
-def _read_verified(storage: Storage, name: str, fname: str, manifest: Manifest) -> bytes:
-    where = storage.url_of(f"{name}/{fname}")
-    entry = _entry(manifest, fname, where)
-    try:
-        data = storage.read_bytes(f"{name}/{fname}")
-    except FileNotFoundError:
-        raise CorruptCheckpointError(f"{where}: missing") from None
-    crc = Crc32c()
-    crc.update(data)
-    _check_entry(crc, entry, where)
-    return data
-
-
 def _verify_local_file(path: str, entry: FileEntry, where: str) -> None:
     """Checksum a local file through a memory map: no copy, and the pages it faults in
     are the ones torch.load(mmap=True) then uses."""
@@ -588,7 +564,7 @@ def _verify_local_file(path: str, entry: FileEntry, where: str) -> None:
                     crc.update(mm)
     except FileNotFoundError:
         raise CorruptCheckpointError(f"{where}: missing") from None
-    _check_entry(crc, entry, where)
+    check_entry(FileEntry(crc.size, crc.hexdigest()), entry, where)
 
 
 def _load_verified(storage: Storage, name: str, fname: str, manifest: Manifest) -> dict[str, Any]:
@@ -597,10 +573,10 @@ def _load_verified(storage: Storage, name: str, fname: str, manifest: Manifest) 
     path = storage.local_path(rel)
     try:
         if path is not None:
-            _verify_local_file(path, _entry(manifest, fname, where), where)
+            _verify_local_file(path, manifest_entry(manifest, fname, where), where)
             source: Any = path
         else:
-            source = io.BytesIO(_read_verified(storage, name, fname, manifest))
+            source = io.BytesIO(read_verified(storage, name, fname, manifest))
         obj = torch.load(source, map_location="cpu", weights_only=True, mmap=path is not None)
     except CorruptCheckpointError:
         raise
@@ -685,7 +661,7 @@ def verify_step(storage: Storage, info: StepInfo) -> StepInfo:
                     if fname.endswith(".pt"):  # torch files: must load as restore loads them
                         _load_verified(storage, info.name, fname, manifest)
                     else:
-                        _read_verified(storage, info.name, fname, manifest)
+                        read_verified(storage, info.name, fname, manifest)
                 except CorruptCheckpointError as exc:
                     problems.append(str(exc))
     except CorruptCheckpointError as exc:

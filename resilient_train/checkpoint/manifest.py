@@ -13,9 +13,12 @@ import re
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import crc32c as _crc32c
+
+if TYPE_CHECKING:
+    from .storage import Storage
 
 MANIFEST = "manifest.json"
 MARKER = "COMMITTED"
@@ -118,3 +121,31 @@ def check_marker(marker_data: bytes, manifest_data: bytes, step: int, where: str
         raise CorruptCheckpointError(
             f"{where}: the commit marker does not match the manifest (the manifest was changed "
             "or replaced after the commit)")
+
+
+def manifest_entry(manifest: Manifest, fname: str, where: str) -> FileEntry:
+    entry = manifest.files.get(fname)
+    if entry is None:
+        raise CorruptCheckpointError(f"{where}: not listed in the manifest")
+    return entry
+
+
+def check_entry(got: FileEntry, entry: FileEntry, where: str) -> None:
+    if got != entry:
+        raise CorruptCheckpointError(
+            f"{where}: checksum mismatch (crc32c {got.crc32c}, {got.size} bytes; the manifest "
+            f"says {entry.crc32c}, {entry.size} bytes)")
+
+
+def read_verified(storage: Storage, name: str, fname: str, manifest: Manifest) -> bytes:
+    """A file of step directory ``name``, read whole and checked against the manifest."""
+    where = storage.url_of(f"{name}/{fname}")
+    entry = manifest_entry(manifest, fname, where)
+    try:
+        data = storage.read_bytes(f"{name}/{fname}")
+    except FileNotFoundError:
+        raise CorruptCheckpointError(f"{where}: missing") from None
+    crc = Crc32c()
+    crc.update(data)
+    check_entry(FileEntry(crc.size, crc.hexdigest()), entry, where)
+    return data

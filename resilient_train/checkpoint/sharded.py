@@ -66,7 +66,15 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from .coordination import Coordinator
-from .manifest import CheckpointError, CorruptCheckpointError, Crc32c, FileEntry, Manifest
+from .manifest import (
+    CheckpointError,
+    CorruptCheckpointError,
+    Crc32c,
+    FileEntry,
+    Manifest,
+    check_entry,
+    read_verified,
+)
 from .state import collect, restore
 from .storage import Storage
 
@@ -409,7 +417,7 @@ class ShardedCheckpointer:
         meta_rel = f"{DCP_DIR}/{DCP_METADATA}"
         if meta_rel not in manifest.files:
             raise CorruptCheckpointError(f"{where}: the manifest lists no {DCP_METADATA}")
-        md = parse_metadata(_read_checked(storage, name, meta_rel, manifest), where)
+        md = parse_metadata(read_verified(storage, name, meta_rel, manifest), where)
         referenced = {f"{DCP_DIR}/{si.relative_path}"
                       for si in (md.storage_data or {}).values()}
         unlisted = sorted(referenced - set(manifest.files))
@@ -512,26 +520,7 @@ def _checksum_against(storage: Storage, name: str, fname: str, manifest: Manifes
         got = _checksum(storage, f"{name}/{fname}")
     except FileNotFoundError:
         raise CorruptCheckpointError(f"{where}: missing") from None
-    if got != entry:
-        raise CorruptCheckpointError(
-            f"{where}: checksum mismatch (crc32c {got.crc32c}, {got.size} bytes; the manifest "
-            f"says {entry.crc32c}, {entry.size} bytes)")
-
-
-def _read_checked(storage: Storage, name: str, fname: str, manifest: Manifest) -> bytes:
-    where = storage.url_of(f"{name}/{fname}")
-    entry = manifest.files[fname]
-    try:
-        data = storage.read_bytes(f"{name}/{fname}")
-    except FileNotFoundError:
-        raise CorruptCheckpointError(f"{where}: missing") from None
-    crc = Crc32c()
-    crc.update(data)
-    if crc.size != entry.size or crc.hexdigest() != entry.crc32c:
-        raise CorruptCheckpointError(
-            f"{where}: checksum mismatch (crc32c {crc.hexdigest()}, {crc.size} bytes; the "
-            f"manifest says {entry.crc32c}, {entry.size} bytes)")
-    return data
+    check_entry(got, entry, where)
 
 
 __all__ = [
