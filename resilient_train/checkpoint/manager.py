@@ -18,8 +18,8 @@ steps with a marker whose manifest verifies.
 from __future__ import annotations
 
 import io
-import mmap
 import logging
+import mmap
 import os
 import queue
 import signal
@@ -33,6 +33,7 @@ from typing import Any, BinaryIO
 import torch
 
 from .. import __version__
+from . import fileio
 from .coordination import Coordinator, default_coordinator
 from .manifest import (
     MANIFEST,
@@ -104,20 +105,27 @@ class StepInfo:
 class _CrcWriter:
     """A file object for torch.save that checksums what passes through.
 
-    On a local file it also starts the disk writeback early: every ``sync_every`` bytes a
-    helper thread fdatasyncs what is written so far (the GIL is released meanwhile), so
-    the disk works while torch keeps serializing, and the final fsync has little left.
+    On a local file it writes with O_DIRECT where the file system allows it
+    (``fileio.DirectWriter``: about twice the disk throughput of buffered writes + fsync).
+    Elsewhere, or where O_DIRECT is refused, it writes buffered and, on a local file,
+    starts the disk writeback early: every ``sync_every`` bytes a helper thread fdatasyncs
+    what is written so far (the GIL is released meanwhile), so the disk works while torch
+    keeps serializing, and the final fsync has little left.
     """
 
     def __init__(self, f: BinaryIO, *, local: bool, sync_every: int = 128 << 20) -> None:
         self._f = f
         self.crc = Crc32c()
         self._fd = f.fileno() if local else None
+        self._direct = (fileio.DirectWriter.open(self._fd, crc=self.crc)
+                        if self._fd is not None and fileio.ENABLED else None)
         self._sync_every = sync_every
         self._unsynced = 0
         self._syncing: threading.Thread | None = None
 
     def write(self, data: bytes | memoryview) -> int:
+        if self._direct is not None:
+            return self._direct.write(data)
         self.crc.update(data)
         n = self._f.write(data)
         self._unsynced += n
@@ -131,10 +139,19 @@ class _CrcWriter:
         return n
 
     def flush(self) -> None:
-        self._f.flush()
+        if self._direct is None:  # the direct path holds only a partial block: see close
+            self._f.flush()
+
+    def close(self) -> None:
+        """After a complete torch.save: write what the direct path still holds (its write
+        errors raise here); the caller's close then fsyncs."""
+        if self._direct is not None:
+            self._direct.close()
 
     def finish(self) -> None:
-        """Wait for the writeback in flight (the caller's close then fsyncs the rest)."""
+        """Always, success or not: stop the direct writer, wait for the writeback in flight."""
+        if self._direct is not None:
+            self._direct.abort()
         if self._syncing is not None:
             self._syncing.join()
 
@@ -387,6 +404,7 @@ class CheckpointManager:
             w = _CrcWriter(f, local=self.storage.local_path(rel) is not None)
             try:
                 torch.save(obj, w)  # type: ignore[arg-type]
+                w.close()
             finally:
                 w.finish()
         return FileEntry(w.crc.size, w.crc.hexdigest())
