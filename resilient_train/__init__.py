@@ -29,6 +29,14 @@ _LAZY = {
     "every_n_steps": "resilient_train.checkpoint.policy",
     "every": "resilient_train.checkpoint.policy",
     "RetryOptions": "resilient_train.checkpoint.storage",
+    "init_distributed": "resilient_train.distributed.group",
+    "DistributedGroup": "resilient_train.distributed.group",
+    "DistributedOptions": "resilient_train.distributed.group",
+    "is_peer_failure": "resilient_train.distributed.group",
+    "BarrierTimeoutError": "resilient_train.distributed.errors",
+    "PeerRestartedError": "resilient_train.distributed.errors",
+    "PrimaryUnreachableError": "resilient_train.distributed.errors",
+    "RendezvousTimeoutError": "resilient_train.distributed.errors",
 }
 
 __all__ = [
@@ -36,7 +44,9 @@ __all__ = [
     "TransientError", "exit_permanent", "exit_transient", "record",
     # loaded on first use (see _LAZY)
     "CheckpointManager", "CheckpointOptions", "RetentionPolicy", "RetryOptions", "every",
-    "every_n_steps",
+    "every_n_steps", "init_distributed", "DistributedGroup", "DistributedOptions",
+    "is_peer_failure", "BarrierTimeoutError", "PeerRestartedError", "PrimaryUnreachableError",
+    "RendezvousTimeoutError",
 ]
 
 if TYPE_CHECKING:
@@ -44,6 +54,18 @@ if TYPE_CHECKING:
     from .checkpoint.policy import every, every_n_steps
     from .checkpoint.retention import RetentionPolicy
     from .checkpoint.storage import RetryOptions
+    from .distributed.errors import (
+        BarrierTimeoutError,
+        PeerRestartedError,
+        PrimaryUnreachableError,
+        RendezvousTimeoutError,
+    )
+    from .distributed.group import (
+        DistributedGroup,
+        DistributedOptions,
+        init_distributed,
+        is_peer_failure,
+    )
 
 
 def __getattr__(name: str) -> Any:

@@ -67,6 +67,9 @@ def is_platform_transient(returncode: int) -> bool:
     return exit_code_for(returncode) in PLATFORM_TRANSIENT_EXIT_CODES
 
 
+_TORCH_TRANSIENT = frozenset({"DistNetworkError", "DistStoreError"})
+
+
 def classify_exception(exc: BaseException) -> Classification:
     if isinstance(exc, TransientError):
         return Classification.TRANSIENT
@@ -78,6 +81,10 @@ def classify_exception(exc: BaseException) -> Classification:
     ):
         return Classification.OOM
     if isinstance(exc, (ConnectionError, TimeoutError)):
+        return Classification.TRANSIENT
+    # torch.distributed's network and store errors (a peer or the store went away), by name
+    # for the same reason as above.
+    if any(cls.__name__ in _TORCH_TRANSIENT for cls in type(exc).__mro__):
         return Classification.TRANSIENT
     return Classification.PERMANENT
 

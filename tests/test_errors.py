@@ -122,6 +122,15 @@ def test_real_torch_oom_is_recognised_by_name() -> None:
     )
 
 
+def test_torch_network_and_store_errors_are_transient() -> None:
+    torch = pytest.importorskip("torch")
+    dist = torch.distributed
+    assert classify_exception(dist.DistNetworkError("Connection reset")) is Classification.TRANSIENT
+    assert classify_exception(dist.DistStoreError("wait timeout")) is Classification.TRANSIENT
+    # A plain RuntimeError from a collective is not assumed transient: it may be a bug.
+    assert classify_exception(RuntimeError("shapes differ")) is Classification.PERMANENT
+
+
 def test_exit_code_for_classification() -> None:
     assert exit_code_for_classification(Classification.TRANSIENT) == EXIT_TRANSIENT
     assert exit_code_for_classification("permanent") == EXIT_PERMANENT

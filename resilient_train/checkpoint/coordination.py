@@ -50,10 +50,16 @@ class TorchDistributed:
         self._dist = dist
         self.rank = dist.get_rank()
         self.world_size = dist.get_world_size()
-        timeout = datetime.timedelta(seconds=timeout_s)
-        # new_group is collective: every rank creates both, in this order, here.
-        self._main = dist.new_group(backend="gloo", timeout=timeout)
-        self._writer = dist.new_group(backend="gloo", timeout=timeout)
+        from torch.distributed.distributed_c10d import _set_pg_timeout
+
+        # new_group is collective: every rank creates both, in this order, here. Connecting
+        # gets a short timeout (a peer dying meanwhile must not stall us for long); the
+        # collectives then get the full one.
+        connect = datetime.timedelta(seconds=min(30.0, timeout_s))
+        self._main = dist.new_group(backend="gloo", timeout=connect)
+        self._writer = dist.new_group(backend="gloo", timeout=connect)
+        for group in (self._main, self._writer):
+            _set_pg_timeout(datetime.timedelta(seconds=timeout_s), group)
 
     def broadcast(self, obj: Any) -> Any:
         box = [obj if self.rank == 0 else None]

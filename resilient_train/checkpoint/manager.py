@@ -334,8 +334,17 @@ class CheckpointManager:
     def __enter__(self) -> CheckpointManager:
         return self
 
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+    def __exit__(self, exc_type: object, *rest: object) -> None:
+        if exc_type is None:
+            self.close()
+            return
+        # An exception is on its way out (often a peer that died): still wait for the save in
+        # flight, so nothing commits behind a restore that follows, but do not let its
+        # failure (usually the same dead peer) hide the exception that matters.
+        try:
+            self.close()
+        except Exception as exc:
+            log.warning("the save in flight failed while leaving on an error: %s", exc)
 
     def _raise_error(self) -> None:
         err, self._error = self._error, None

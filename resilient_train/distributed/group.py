@@ -1,0 +1,471 @@
+"""``init_distributed()``: a process group that forms whatever order the workers start in,
+notices within a second when a peer restarts, and re-forms in-process.
+
+One `DistributedGroup` per process. Its parts:
+- the rendezvous (rendezvous.py): which processes form which generation;
+- a watcher thread on a second store connection: when the generation moves on (a peer
+  restarted) or the store vanishes (the primary restarted), it flags the group and, for
+  NCCL, aborts the communicator so a collective stuck on the dead peer returns;
+- `run(fn)`: calls ``fn``; when it fails because a peer went away, tears the process
+  group down, re-forms it at the next generation and calls ``fn`` again. ``fn`` is the
+  same code a restarted process would run (restore the latest checkpoint, train on), so
+  in-process recovery and a process restart take the same path, and the platform's job
+  retry budget is not spent;
+- an optional hang watchdog (hang.py) fed by `step_done()`.
+"""
+
+from __future__ import annotations
+
+import atexit
+import datetime
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from typing import Any, Literal, TypeVar
+
+from ..cluster import ClusterInfo
+from ..errors import exit_transient
+from .errors import DistributedConfigError, PeerRestartedError, RendezvousTimeoutError
+from .hang import HangWatchdog
+from .rendezvous import Rendezvous
+from .resolve import Resolver
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+OnPeerRestart = Literal["recover", "exit"]
+
+# What a collective says when the peer at the other end is gone (gloo, NCCL, the store).
+_PEER_LOST = (
+    "connection closed by peer", "connection reset by peer", "broken pipe",
+    "connection refused", "failed to recv", "failed to send", "timed out waiting",
+    "communicator was aborted", "process group was aborted", "nccl error", "socket timeout",
+)
+
+
+@dataclass(frozen=True)
+class DistributedOptions:
+    """How the group forms and what happens when a peer goes away.
+
+    Environment overrides (read by `from_env`, which `init_distributed` uses when no
+    options are given): RESILIENT_TRAIN_JOIN_TIMEOUT_S, RESILIENT_TRAIN_FORM_TIMEOUT_S,
+    RESILIENT_TRAIN_HANG_TIMEOUT_S, RESILIENT_TRAIN_ON_PEER_RESTART.
+    """
+
+    backend: str | None = None          # None: nccl when CUDA is usable, else gloo
+    join_timeout_s: float = 900.0       # forming the group, at start and after a restart
+    collective_timeout_s: float = 600.0  # one collective (torch's `timeout`)
+    # Connecting the mesh once every rank has joined. Short, because a member that dies in
+    # this window leaves the others waiting in torch (not interruptible) for this long.
+    form_timeout_s: float = 60.0
+    barrier_timeout_s: float = 600.0
+    on_peer_restart: OnPeerRestart = "recover"  # or "exit": every worker exits transient
+    watch_interval_s: float = 0.5       # how often the watcher polls the generation
+    hang_timeout_s: float | None = None  # no finished step for this long: exit transient
+    max_recoveries: int = 100           # in-process re-formings before giving up
+
+    def __post_init__(self) -> None:
+        for name in ("join_timeout_s", "collective_timeout_s", "form_timeout_s",
+                     "barrier_timeout_s", "watch_interval_s"):
+            if getattr(self, name) <= 0:
+                raise DistributedConfigError(f"{name} must be > 0, got {getattr(self, name)}")
+        if self.hang_timeout_s is not None and self.hang_timeout_s <= 0:
+            raise DistributedConfigError(
+                f"hang_timeout_s must be > 0 or None (off), got {self.hang_timeout_s}")
+        if self.on_peer_restart not in ("recover", "exit"):
+            raise DistributedConfigError(
+                f"on_peer_restart must be 'recover' or 'exit', got {self.on_peer_restart!r}")
+        if self.backend not in (None, "gloo", "nccl"):
+            raise DistributedConfigError(
+                f"backend must be 'gloo', 'nccl' or None (automatic), got {self.backend!r}")
+
+    @classmethod
+    def from_env(cls, base: DistributedOptions | None = None,
+                 env: dict[str, str] | None = None) -> DistributedOptions:
+        env = dict(os.environ) if env is None else env
+        out = base or cls()
+        for var, field in (("RESILIENT_TRAIN_JOIN_TIMEOUT_S", "join_timeout_s"),
+                           ("RESILIENT_TRAIN_FORM_TIMEOUT_S", "form_timeout_s"),
+                           ("RESILIENT_TRAIN_HANG_TIMEOUT_S", "hang_timeout_s")):
+            raw = env.get(var, "").strip()
+            if raw:
+                try:
+                    seconds = float(raw)
+                except ValueError as exc:
+                    raise DistributedConfigError(
+                        f"{var}: expected a number of seconds, found {raw!r}") from exc
+                out = replace(out, join_timeout_s=seconds) if field == "join_timeout_s" else (
+                    replace(out, form_timeout_s=seconds) if field == "form_timeout_s" else
+                    replace(out, hang_timeout_s=seconds))
+        mode = env.get("RESILIENT_TRAIN_ON_PEER_RESTART", "").strip()
+        if mode:
+            out = replace(out, on_peer_restart=mode)  # type: ignore[arg-type]
+        return out
+
+
+def is_peer_failure(exc: BaseException) -> bool:
+    """Whether ``exc`` (or what caused it) says a peer of the process group went away."""
+    import torch.distributed as dist
+
+    seen: set[int] = set()
+    e: BaseException | None = exc
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        if isinstance(e, PeerRestartedError):
+            return True
+        if isinstance(e, RendezvousTimeoutError):
+            return False  # nobody to recover with: the caller exits transient
+        if isinstance(e, dist.DistNetworkError):
+            return True
+        text = str(e).lower()
+        if any(p in text for p in _PEER_LOST):
+            return True
+        e = e.__cause__ or e.__context__
+    return False
+
+
+def replica_namer(info: ClusterInfo) -> Callable[[int], str]:
+    """Rank -> the replica name a person sees in the launcher and the platform's console."""
+    per_node = max(1, info.local_world_size)
+
+    def name_of(rank: int) -> str:
+        node = rank // per_node
+        replica = "workerpool0-0" if node == 0 else f"workerpool1-{node - 1}"
+        return replica if per_node == 1 else f"{replica}/local{rank % per_node}"
+
+    return name_of
+
+
+class DistributedGroup:
+    """This process's membership of the job's process group (the default torch group)."""
+
+    def __init__(self, info: ClusterInfo, options: DistributedOptions,
+                 resolver: Resolver | None = None) -> None:
+        import torch
+
+        if info.rank < 0:
+            raise DistributedConfigError(
+                f"replica {info.replica_name} is in {info.pool}, which does not train "
+                f"(parameter or reduction servers, evaluators): do not call "
+                f"init_distributed there")
+        self.info = info
+        self.options = options
+        self.rank, self.world_size = info.rank, info.world_size
+        self.local_rank = info.local_rank
+        cuda = torch.cuda.is_available() and torch.cuda.device_count() > 0
+        self.backend = options.backend or ("nccl" if cuda else "gloo")
+        if self.backend == "nccl":
+            if not cuda:
+                raise DistributedConfigError(
+                    "backend 'nccl' needs a CUDA GPU and none is visible; use backend='gloo' "
+                    "(or None: automatic) on CPU")
+            self.device = torch.device("cuda", info.local_rank % torch.cuda.device_count())
+            torch.cuda.set_device(self.device)
+        else:
+            self.device = torch.device("cpu")
+        self.name_of = replica_namer(info)
+        agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
+        # Under torchrun the agent hosts the store and restarts every worker on a failure:
+        # one namespace per restart round. Elsewhere rank 0 hosts it.
+        namespace = "rt"
+        if agent_store:
+            run_id = os.environ.get("TORCHELASTIC_RUN_ID", "run")
+            namespace = f"rt/{run_id}/{info.restart_count}"
+        self._rdzv = Rendezvous(
+            host=info.master_addr, port=info.master_port, rank=info.rank,
+            world_size=info.world_size, hosts_store=info.rank == 0 and not agent_store,
+            namespace=namespace, name_of=self.name_of, join_timeout_s=options.join_timeout_s,
+            resolver=resolver)
+        self.generation = -1
+        self.recoveries = 0
+        self.last_recovery_s: float | None = None
+        self._peer_lost = threading.Event()
+        self._peer_reason = ""
+        self._watch_stop = threading.Event()
+        self._watcher: threading.Thread | None = None
+        self._barriers: dict[str, int] = {}
+        self._closed = False
+        self._hang = HangWatchdog(options.hang_timeout_s) if options.hang_timeout_s else None
+        atexit.register(self._at_exit)
+
+    # --- what the training code sees ----------------------------------------------------
+
+    @property
+    def is_primary(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def replica_name(self) -> str:
+        return self.name_of(self.rank)
+
+    def check(self) -> None:
+        """Raise PeerRestartedError if the watcher saw this generation end."""
+        if self._peer_lost.is_set():
+            raise PeerRestartedError(self._peer_reason, self.generation)
+
+    def step_done(self, step: int | None = None) -> None:
+        """Call after every training step: feeds the hang watchdog, raises on a peer restart."""
+        if self._hang is not None:
+            self._hang.beat(step)
+        if self._peer_lost.is_set():
+            raise PeerRestartedError(self._peer_reason, self.generation)
+
+    def barrier(self, name: str = "barrier", timeout_s: float | None = None) -> None:
+        """Every rank waits here; a timeout names the ranks that never came."""
+        if self.world_size == 1:
+            return
+        n = self._barriers.get(name, 0)
+        self._barriers[name] = n + 1
+        self._rdzv.barrier(self.generation, f"{name}.{n}",
+                           timeout_s if timeout_s is not None else self.options.barrier_timeout_s)
+
+    def run(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        """``fn(*args, **kwargs)``, called again after each in-process recovery.
+
+        ``fn`` must start the way a restarted process does: build the model, restore the
+        latest checkpoint, train. A failure that is not a peer's is raised unchanged.
+        """
+        while True:
+            try:
+                return fn(*args, **kwargs)
+            except Exception as exc:
+                if not (self._peer_lost.is_set() or is_peer_failure(exc)):
+                    raise
+                self.recover(exc)
+
+    def recover(self, cause: BaseException | str) -> None:
+        """Tear the process group down and re-form it at the next generation (or, with
+        ``on_peer_restart="exit"``, exit with the transient code)."""
+        reason = self._peer_reason or _one_line(cause)
+        if self.options.on_peer_restart == "exit" or self.world_size == 1:
+            self._stop_watcher()
+            self._destroy_pg()
+            exit_transient(f"a peer of the process group went away: {reason}",
+                           exc=cause if isinstance(cause, BaseException) else None)
+        self.recoveries += 1
+        if self.recoveries > self.options.max_recoveries:
+            raise PeerRestartedError(
+                f"the process group was re-formed {self.options.max_recoveries} times and a "
+                f"peer went away again ({reason}); giving up", self.generation)
+        t0 = time.monotonic()
+        if self._hang is not None:
+            self._hang.disarm()
+        logger.warning("%s: generation %d ended (%s); re-forming the process group",
+                       self.replica_name, self.generation, reason)
+        self._stop_watcher()
+        self._destroy_pg()
+        if not self._store_alive():
+            logger.warning("%s: the rendezvous store at %s:%d is gone (the primary %s stopped "
+                           "or restarted); waiting for it to come back", self.replica_name,
+                           self.info.master_addr, self.info.master_port, self.name_of(0))
+            self._rdzv.store = None
+        self._peer_lost.clear()
+        self._peer_reason = ""
+        self._form(self.generation + 1, f"{self.replica_name} saw: {reason}")
+        self.last_recovery_s = time.monotonic() - t0
+        logger.warning("%s: process group re-formed at generation %d in %.1f s",
+                       self.replica_name, self.generation, self.last_recovery_s)
+
+    def shutdown(self, *, wait_for_peers: bool = True) -> None:
+        """Destroy the process group and stop the threads. With ``wait_for_peers`` the ranks
+        first meet at a barrier, so the primary keeps the store up until all are done."""
+        if self._closed:
+            return
+        self._closed = True
+        self._stop_watcher()
+        if self._hang is not None:
+            self._hang.close()
+        if wait_for_peers and self.world_size > 1 and not self._peer_lost.is_set():
+            try:
+                self.barrier("shutdown", timeout_s=min(60.0, self.options.barrier_timeout_s))
+            except Exception as exc:  # finishing matters more than a tidy goodbye
+                logger.warning("%s: peers did not all reach shutdown: %s", self.replica_name,
+                               exc)
+        self._destroy_pg()
+        self._rdzv.store = None
+        atexit.unregister(self._at_exit)
+
+    def __enter__(self) -> DistributedGroup:
+        return self
+
+    def __exit__(self, exc_type: object, *rest: object) -> None:
+        self.shutdown(wait_for_peers=exc_type is None)
+
+    # --- forming ----------------------------------------------------------------------
+
+    def _form(self, at_least: int, cause: str = "") -> None:
+        import torch.distributed as dist
+
+        timeout = datetime.timedelta(seconds=self.options.collective_timeout_s)
+        if self.world_size == 1:
+            dist.init_process_group(self.backend, store=dist.HashStore(), rank=0, world_size=1,
+                                    timeout=timeout)
+            self.generation = 0
+            return
+        deadline = time.monotonic() + self.options.join_timeout_s
+        form_timeout = datetime.timedelta(seconds=min(self.options.form_timeout_s,
+                                                      self.options.collective_timeout_s))
+        while True:
+            if self._rdzv.store is None:
+                self._rdzv.connect(deadline)
+            try:
+                gen = self._rdzv.join(at_least, deadline, cause)
+            except dist.DistNetworkError as exc:
+                # The primary (and its store) went away while we waited: it restarts and
+                # hosts a new store; wait for that one, within the same deadline.
+                logger.warning("%s: lost the rendezvous store while forming (%s); "
+                               "reconnecting", self.replica_name, _one_line(exc))
+                self._rdzv.store = None
+                continue
+            kwargs: dict[str, Any] = {}
+            if self.backend == "nccl":
+                kwargs["device_id"] = self.device  # eager init: a bad GPU fails here
+            try:
+                dist.init_process_group(self.backend, store=self._rdzv.pg_store(gen),
+                                        rank=self.rank, world_size=self.world_size,
+                                        timeout=form_timeout, **kwargs)
+            except Exception as exc:
+                if time.monotonic() >= deadline or not self._formation_broke(gen, exc):
+                    raise
+                # A member died while the mesh connected: try the next generation.
+                logger.warning("%s: forming generation %d failed (%s); trying again",
+                               self.replica_name, gen, _one_line(exc))
+                self._destroy_pg()
+                if not self._store_alive():
+                    self._rdzv.store = None
+                at_least = gen + 1
+                continue
+            _set_pg_timeout(timeout)
+            self.generation = gen
+            break
+        logger.info("%s: rank %d of %d joined generation %d (%s)", self.replica_name,
+                    self.rank, self.world_size, gen, self.backend)
+        self._start_watcher(gen)
+        if self._hang is not None:
+            self._hang.arm()
+
+    def _formation_broke(self, gen: int, exc: BaseException) -> bool:
+        """Whether init failed because the generation's membership broke (retry) rather
+        than for a reason that another try cannot fix."""
+        if is_peer_failure(exc) or "timeout" in str(exc).lower():
+            return True
+        try:
+            return self._rdzv.generation() != gen
+        except Exception:
+            return True  # the store is gone: the primary restarted
+
+    def _destroy_pg(self) -> None:
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            try:
+                dist.destroy_process_group()
+            except Exception as exc:  # already aborted, or the peer is gone: nothing to free
+                logger.debug("destroy_process_group: %s", exc)
+
+    def _store_alive(self) -> bool:
+        store = self._rdzv.store
+        if store is None:
+            return False
+        try:
+            store.set_timeout(datetime.timedelta(seconds=5))
+            alive = self._rdzv.epoch_of(store) == self._rdzv.epoch
+            store.set_timeout(datetime.timedelta(seconds=self.options.join_timeout_s))
+            return alive
+        except Exception:
+            return False
+
+    # --- watching ---------------------------------------------------------------------
+
+    def _start_watcher(self, gen: int) -> None:
+        if self.world_size == 1:
+            return
+        self._watch_stop = threading.Event()
+        client = self._rdzv.client()
+        self._watcher = threading.Thread(target=self._watch, args=(gen, client, self._watch_stop),
+                                         name="rt-peer-watcher", daemon=True)
+        self._watcher.start()
+
+    def _stop_watcher(self) -> None:
+        self._watch_stop.set()
+        if self._watcher is not None and self._watcher is not threading.current_thread():
+            self._watcher.join(timeout=15.0)
+        self._watcher = None
+
+    def _watch(self, gen: int, store: Any, stop: threading.Event) -> None:
+        while not stop.wait(self.options.watch_interval_s):
+            try:
+                current = self._rdzv.generation(store)
+                if current == gen:
+                    continue
+                cause = self._rdzv.cause(current, store) if current > gen else ""
+                reason = f"generation {current} began: {cause or 'a peer restarted'}"
+            except Exception as exc:
+                if stop.is_set():
+                    return
+                reason = (f"lost the rendezvous store at {self.info.master_addr}:"
+                          f"{self.info.master_port}: the primary {self.name_of(0)} stopped or "
+                          f"restarted ({_one_line(exc)})")
+            self._flag(reason)
+            return
+
+    def _flag(self, reason: str) -> None:
+        self._peer_reason = reason
+        self._peer_lost.set()
+        logger.warning("%s: %s", self.replica_name, reason)
+        if self.backend == "nccl":
+            # NCCL would sit in a collective until its timeout; aborting makes it return.
+            # (gloo returns by itself: the dead peer's sockets are closed.)
+            try:
+                from torch.distributed.distributed_c10d import _abort_process_group
+
+                _abort_process_group()
+            except Exception as exc:
+                logger.warning("could not abort the NCCL process group: %s", exc)
+
+    def _at_exit(self) -> None:
+        try:
+            self.shutdown(wait_for_peers=False)
+        except Exception:  # at interpreter exit: nothing useful to do with an error
+            pass
+
+
+def _set_pg_timeout(timeout: datetime.timedelta) -> None:
+    from torch.distributed import distributed_c10d
+
+    try:
+        distributed_c10d._set_pg_timeout(timeout)
+    except Exception as exc:  # a private torch API: never fail training over it
+        logger.warning("could not set the collective timeout to %s: %s", timeout, exc)
+
+
+def _one_line(cause: BaseException | str) -> str:
+    text = str(cause) if not isinstance(cause, BaseException) else (
+        f"{type(cause).__name__}: {cause}")
+    line = text.strip().splitlines()[0] if text.strip() else text
+    return line if len(line) <= 200 else line[:197] + "..."
+
+
+def init_distributed(options: DistributedOptions | None = None, *,
+                     info: ClusterInfo | None = None,
+                     resolver: Resolver | None = None) -> DistributedGroup:
+    """Form the job's process group (the default torch group) and return its handle.
+
+    Reads the cluster from the environment (our launcher, the platform's CLUSTER_SPEC /
+    TF_CONFIG, torchrun, Kubeflow's PyTorchJob). Safe under parallel start: waits for the
+    primary's name to resolve and its store to listen, and for every rank to arrive, up to
+    ``join_timeout_s``; the error then names who never came.
+    """
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        raise DistributedConfigError(
+            "torch.distributed is already initialized: call init_distributed() instead of "
+            "init_process_group(), once per process (or shutdown() the previous group)")
+    options = options or DistributedOptions.from_env()
+    group = DistributedGroup(info or ClusterInfo.from_env(), options, resolver)
+    group._form(0)
+    return group

@@ -1,0 +1,99 @@
+"""The hang watchdog: when no training step finishes for too long, write every thread's
+stack to the error report and exit with the transient code, so the platform restarts the
+job from its checkpoint instead of letting it sit in a collective for 30 minutes.
+
+``beat()`` is one monotonic-clock read and an attribute store: cheap enough for every step.
+The watchdog is armed by the first beat after ``arm()`` (so a slow start-up, a restore or a
+rendezvous wait never counts as a hang) and ``disarm()`` pauses it.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import threading
+import time
+import traceback
+from collections.abc import Callable
+
+from ..errors import EXIT_TRANSIENT, Classification, write_error_report
+
+logger = logging.getLogger(__name__)
+
+
+def all_stacks() -> str:
+    """Every Python thread's stack, the way a person reads them (thread name first)."""
+    names = {t.ident: t.name for t in threading.enumerate()}
+    parts = []
+    for ident, frame in sys._current_frames().items():
+        parts.append(f'Thread "{names.get(ident, "?")}" (id {ident}), most recent call last:\n'
+                     + "".join(traceback.format_stack(frame)))
+    return "\n".join(parts)
+
+
+def _report_and_exit(message: str) -> None:
+    stacks = all_stacks()
+    logger.critical("%s; stacks of all threads follow\n%s", message, stacks)
+    try:
+        write_error_report(message, exit_code=EXIT_TRANSIENT,
+                           classification=Classification.TRANSIENT, traceback=stacks)
+    except OSError as exc:
+        logger.error("could not write the error report: %s", exc)
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    # The main thread is stuck (that is the point): only _exit ends the process.
+    os._exit(EXIT_TRANSIENT)
+
+
+class HangWatchdog:
+    """Exits the process when no ``beat()`` arrived for ``timeout_s`` while armed."""
+
+    def __init__(self, timeout_s: float, *, on_hang: Callable[[str], None] = _report_and_exit,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        if timeout_s <= 0:
+            raise ValueError(f"hang timeout must be > 0 seconds, got {timeout_s}")
+        self.timeout_s = timeout_s
+        self._on_hang = on_hang
+        self._clock = clock
+        self._last = clock()
+        self._armed = False
+        self._arming = False
+        self._step: int | None = None
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="rt-hang-watchdog", daemon=True)
+        self._thread.start()
+
+    def beat(self, step: int | None = None) -> None:
+        self._last = self._clock()
+        self._step = step
+        if self._arming:
+            self._armed, self._arming = True, False
+
+    def arm(self) -> None:
+        """Start counting at the next beat."""
+        self._arming = True
+
+    def disarm(self) -> None:
+        self._armed = self._arming = False
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._thread is not threading.current_thread():
+            self._thread.join()
+
+    def _run(self) -> None:
+        poll = min(1.0, self.timeout_s / 10)
+        while not self._stop.wait(poll):
+            if not self._armed:
+                continue
+            idle = self._clock() - self._last
+            if idle >= self.timeout_s:
+                after = "" if self._step is None else f" (the last one was step {self._step})"
+                self._armed = False
+                self._on_hang(f"hang: no training step finished for {idle:.0f} s{after}, "
+                              f"above the watchdog's {self.timeout_s:.0f} s; exiting with "
+                              f"the transient code so the job restarts from its checkpoint")

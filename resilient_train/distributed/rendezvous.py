@@ -1,0 +1,292 @@
+"""The generation protocol: how the ranks of a job agree, over one TCPStore, on who forms
+the process group, so a worker restarted with the same rank is never taken for its old self.
+
+The store lives in the primary (rank 0) or, under torchrun, in torchrun's agent. Keys, all
+under ``<namespace>/``:
+
+- ``epoch``: the hosting process's incarnation id. A new one means the primary restarted.
+- ``gen``: the current generation, a decimal integer. It only grows.
+- ``g/<G>/member/<rank>``: the incarnation id (random, one per process start and never
+  reused) of the process that joined generation G for that rank.
+- ``g/<G>/cause``: why generation G began (a person-readable line for the logs).
+- ``g/<G>/pg/...``: the process group's own keys, so a generation never reads the
+  addresses of an earlier one (the class of bug of pytorch issue 135712).
+- ``g/<G>/barrier/<name>/<rank>``: barrier arrivals.
+
+Joining generation G: write ``member/<rank>`` and wait until every rank's key is there.
+A process that finds its rank already present in G under another incarnation knows its
+old self was a member: G is over, and it moves ``gen`` to G+1 (compare-and-set, so
+concurrent movers agree). Every waiter that sees ``gen`` move re-joins the newer one.
+Survivors watch ``gen`` (see group.py) and re-join too.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import time
+import uuid
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from .errors import (
+    BarrierTimeoutError,
+    DistributedConfigError,
+    PeerRestartedError,
+    PrimaryUnreachableError,
+    RendezvousTimeoutError,
+)
+from .resolve import Resolver, resolve
+
+logger = logging.getLogger(__name__)
+
+PROGRESS_EVERY_S = 10.0
+
+
+def _ms(seconds: float) -> datetime.timedelta:
+    return datetime.timedelta(seconds=max(0.001, seconds))
+
+
+def describe_ranks(ranks: Sequence[int], name_of: Callable[[int], str]) -> str:
+    shown = [f"rank {r} ({name_of(r)})" for r in ranks[:8]]
+    more = f" and {len(ranks) - 8} more" if len(ranks) > 8 else ""
+    return ", ".join(shown) + more
+
+
+class Rendezvous:
+    """One process's side of the protocol. Not thread-safe: one thread uses it."""
+
+    def __init__(self, *, host: str, port: int, rank: int, world_size: int, hosts_store: bool,
+                 namespace: str, name_of: Callable[[int], str],
+                 join_timeout_s: float, resolver: Resolver | None = None,
+                 poll_s: float = 0.1) -> None:
+        self.host, self.port = host, port
+        self.rank, self.world_size = rank, world_size
+        self.hosts_store = hosts_store
+        self.ns = namespace.rstrip("/")
+        self.name_of = name_of
+        self.join_timeout_s = join_timeout_s
+        self.resolver = resolver
+        self.poll_s = poll_s
+        self.incarnation = uuid.uuid4().hex
+        self.epoch = ""
+        self.store: Any = None
+
+    # --- the store --------------------------------------------------------------------
+
+    def _key(self, *parts: object) -> str:
+        return "/".join([self.ns, *(str(p) for p in parts)])
+
+    def connect(self, deadline: float) -> None:
+        """Host the store (rank 0 without an agent store) or connect to it, until ``deadline``
+        (a time.monotonic() value). Sets ``self.store`` and ``self.epoch``."""
+        import torch.distributed as dist
+
+        if self.hosts_store:
+            self.store = self._host_store(deadline)
+            self.epoch = self.incarnation
+            # "gen" before "epoch": a client that sees the epoch also sees a generation.
+            self.store.set(self._key("gen"), "0")
+            self.store.set(self._key("epoch"), self.epoch)
+            return
+        what = f"the primary {self.name_of(0)}"
+        start = time.monotonic()
+        last_log = start
+        attempt = 0
+        while True:
+            remaining = deadline - time.monotonic()
+            kwargs: dict[str, Any] = {}
+            if self.resolver is not None:
+                kwargs["resolver"] = self.resolver
+            address = resolve(self.host, self.port, deadline_s=max(0.0, remaining), what=what,
+                              **kwargs)
+            remaining = deadline - time.monotonic()
+            try:
+                # Short attempts: torch's own retry inside one attempt backs off to seconds,
+                # which is how long a worker would then lag behind a primary that is up.
+                store = dist.TCPStore(address, self.port, is_master=False,
+                                      timeout=_ms(min(1.0, max(remaining, 0.1))),
+                                      wait_for_workers=False)
+                store.set_timeout(_ms(min(10.0, max(remaining, 0.5))))
+                store.wait([self._key("epoch")])
+                self.epoch = store.get(self._key("epoch")).decode()
+                store.set_timeout(_ms(max(remaining, 1.0)))
+                self.store = store
+                if attempt:
+                    logger.info("connected to %s's store at %s:%d after %.1f s", what,
+                                self.host, self.port, time.monotonic() - start)
+                return
+            except (RuntimeError, OSError) as exc:  # DistNetworkError / DistStoreError
+                attempt += 1
+                now = time.monotonic()
+                if now >= deadline:
+                    raise PrimaryUnreachableError(
+                        f"{what} at {self.host}:{self.port} did not accept connections "
+                        f"within {self.join_timeout_s:.0f} s (last error: "
+                        f"{str(exc).splitlines()[0] if str(exc) else type(exc).__name__}). "
+                        f"Check that the primary started and that MASTER_ADDR/MASTER_PORT "
+                        f"(or CLUSTER_SPEC) point at it.", missing=(0,)) from exc
+                if now - last_log >= PROGRESS_EVERY_S:
+                    last_log = now
+                    logger.warning("waiting for %s at %s:%d, %.0f s of %.0f s", what,
+                                   self.host, self.port, now - start, self.join_timeout_s)
+                time.sleep(min(0.05 * attempt, 0.5, max(0.0, deadline - now)))
+
+    def _host_store(self, deadline: float) -> Any:
+        import torch.distributed as dist
+
+        give_up = min(deadline, time.monotonic() + 30.0)
+        while True:
+            try:
+                return dist.TCPStore("0.0.0.0", self.port, is_master=True,
+                                     timeout=_ms(self.join_timeout_s), wait_for_workers=False)
+            except (RuntimeError, OSError) as exc:
+                # The previous incarnation's socket can hold the port for a moment.
+                if "in use" not in str(exc).lower() or time.monotonic() >= give_up:
+                    raise DistributedConfigError(
+                        f"cannot listen on port {self.port} for the job's rendezvous store "
+                        f"({str(exc).splitlines()[0]}). Another process holds it: choose a "
+                        f"free MASTER_PORT.") from exc
+                time.sleep(0.5)
+
+    def client(self) -> Any:
+        """A second connection to the same store, for a watcher thread."""
+        import torch.distributed as dist
+
+        if self.hosts_store:
+            address = "127.0.0.1"
+        else:
+            kwargs: dict[str, Any] = {"resolver": self.resolver} if self.resolver else {}
+            address = resolve(self.host, self.port, deadline_s=30.0, **kwargs)
+        return dist.TCPStore(address, self.port, is_master=False, timeout=_ms(10.0),
+                             wait_for_workers=False)
+
+    # --- generations ------------------------------------------------------------------
+
+    def generation(self, store: Any = None) -> int:
+        return int((store or self.store).get(self._key("gen")))
+
+    def epoch_of(self, store: Any) -> str:
+        return bytes(store.get(self._key("epoch"))).decode()
+
+    def cause(self, gen: int, store: Any = None) -> str:
+        store = store or self.store
+        key = self._key("g", gen, "cause")
+        if store.check([key]):
+            return bytes(store.get(key)).decode()
+        return ""
+
+    def _advance(self, seen: int, to: int, cause: str) -> None:
+        self.store.set(self._key("g", to, "cause"), cause)
+        # Compare-and-set: when several ranks move it at once, one wins and all agree.
+        self.store.compare_set(self._key("gen"), str(seen), str(to))
+
+    def join(self, at_least: int, deadline: float, cause: str = "") -> int:
+        """Join the newest generation >= ``at_least``; returns it once every rank is in."""
+        me = self.name_of(self.rank)
+        while True:
+            gen = self.generation()
+            if gen < at_least:
+                self._advance(gen, at_least, cause or f"{me} (rank {self.rank}) re-joined")
+                continue
+            member = self._key("g", gen, "member", self.rank)
+            if self.store.check([member]) and bytes(self.store.get(member)).decode() != (
+                    self.incarnation):
+                # Our previous incarnation was in this generation: it is over.
+                self._advance(gen, gen + 1, f"{me} (rank {self.rank}) restarted")
+                continue
+            self.store.set(member, self.incarnation)
+            if self._wait_members(gen, deadline):
+                return gen
+
+    def _missing(self, gen: int) -> list[int]:
+        return [r for r in range(self.world_size)
+                if not self.store.check([self._key("g", gen, "member", r)])]
+
+    def _wait_members(self, gen: int, deadline: float) -> bool:
+        """True when every rank joined ``gen``; False when a newer generation began."""
+        keys = [self._key("g", gen, "member", r) for r in range(self.world_size)]
+        start = last_log = time.monotonic()
+        sleep = 0.01
+        while True:
+            if self.store.check(keys):
+                return True
+            if self.generation() != gen:
+                return False
+            gave_up = self._key("g", gen, "gave_up")
+            if self.store.check([gave_up]):
+                # The primary's deadline passed first: fail with its words, before its store
+                # (and with it the list of who is missing) goes away.
+                message = bytes(self.store.get(gave_up)).decode()
+                self.store.set(self._key("g", gen, "gave_up_seen", self.rank), "1")
+                raise RendezvousTimeoutError(message, missing=tuple(self._missing(gen)))
+            now = time.monotonic()
+            if now >= deadline:
+                missing = self._missing(gen)
+                message = (
+                    f"the process group did not form within {self.join_timeout_s:.0f} s: "
+                    f"{len(missing)} of {self.world_size} ranks never arrived: "
+                    f"{describe_ranks(missing, self.name_of)}. Check those workers' logs "
+                    f"(did they start? do they reach init_distributed?), or raise the join "
+                    f"timeout.")
+                if self.hosts_store:
+                    self._tell_waiters(gen, message, missing)
+                raise RendezvousTimeoutError(message, missing=tuple(missing))
+            if now - last_log >= PROGRESS_EVERY_S:
+                last_log = now
+                missing = self._missing(gen)
+                logger.warning("waiting for %d of %d workers: %s, %.0f s of %.0f s",
+                               len(missing), self.world_size,
+                               describe_ranks(missing, self.name_of), now - start,
+                               self.join_timeout_s)
+            time.sleep(sleep)
+            sleep = min(sleep * 2, self.poll_s * 5)
+
+    def _tell_waiters(self, gen: int, message: str, missing: list[int]) -> None:
+        """Leave the verdict in the store and give the waiting ranks a moment to read it."""
+        self.store.set(self._key("g", gen, "gave_up"), message)
+        present = [r for r in range(self.world_size) if r not in missing and r != self.rank]
+        seen = [self._key("g", gen, "gave_up_seen", r) for r in present]
+        until = time.monotonic() + 3.0
+        while seen and not self.store.check(seen) and time.monotonic() < until:
+            time.sleep(0.05)
+
+    def pg_store(self, gen: int) -> Any:
+        import torch.distributed as dist
+
+        return dist.PrefixStore(self._key("g", gen, "pg") + "/", self.store)
+
+    # --- barriers ---------------------------------------------------------------------
+
+    def barrier(self, gen: int, name: str, timeout_s: float) -> None:
+        """Wait until every rank reached barrier ``name`` of generation ``gen``.
+
+        Raises BarrierTimeoutError naming the ranks that did not arrive, and
+        PeerRestartedError when a newer generation begins meanwhile.
+        """
+        keys = [self._key("g", gen, "barrier", name, r) for r in range(self.world_size)]
+        self.store.set(keys[self.rank], self.incarnation)
+        start = last_log = time.monotonic()
+        sleep = 0.005
+        while not self.store.check(keys):
+            now = time.monotonic()
+            current = self.generation()
+            if current != gen:
+                raise PeerRestartedError(
+                    f"generation {gen} ended during barrier {name!r}: "
+                    f"{self.cause(current) or 'a peer restarted'}", gen)
+            if now - start >= timeout_s:
+                missing = [r for r, k in enumerate(keys) if not self.store.check([k])]
+                raise BarrierTimeoutError(
+                    f"barrier {name!r} timed out after {timeout_s:.0f} s: "
+                    f"{len(missing)} of {self.world_size} ranks never reached it: "
+                    f"{describe_ranks(missing, self.name_of)}. They are slow, hung or "
+                    f"took another code path; their logs (or a hang-watchdog report) tell "
+                    f"which.", missing=tuple(missing))
+            if now - last_log >= PROGRESS_EVERY_S:
+                last_log = now
+                missing = [r for r, k in enumerate(keys) if not self.store.check([k])]
+                logger.warning("barrier %r: waiting for %s, %.0f s of %.0f s", name,
+                               describe_ranks(missing, self.name_of), now - start, timeout_s)
+            time.sleep(sleep)
+            sleep = min(sleep * 2, self.poll_s)

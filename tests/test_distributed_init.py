@@ -1,0 +1,328 @@
+"""init_distributed: parallel start in any order, clear errors naming who never came,
+generations, barriers, the hang watchdog, and recovery from a restarted peer.
+
+Multi-process cases run tests/init_workers/form.py as real processes on gloo over
+127.0.0.1; the rendezvous protocol itself is also exercised in-process with threads.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from resilient_train.distributed import (
+    DistributedConfigError,
+    DistributedOptions,
+    HangWatchdog,
+    PeerRestartedError,
+    PrimaryUnreachableError,
+    RendezvousTimeoutError,
+    is_peer_failure,
+)
+from resilient_train.distributed.rendezvous import Rendezvous
+from resilient_train.distributed.resolve import resolve
+
+FORM = Path(__file__).parent / "init_workers" / "form.py"
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def run_ranks(world: int, delays: dict[int, float], *, extra: dict[str, str] | None = None,
+              ranks: list[int] | None = None, master_addr: str = "localhost",
+              timeout: float = 120.0) -> dict[int, dict[str, Any]]:
+    """Start each rank of ``ranks`` (default all) as its own process after its delay."""
+    port = free_port()
+    procs: dict[int, subprocess.Popen[str]] = {}
+    for rank in ranks if ranks is not None else range(world):
+        env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR=master_addr,
+                   MASTER_PORT=str(port), GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1",
+                   DELAY_S=str(delays.get(rank, 0.0)), **(extra or {}))
+        for var in ("CLUSTER_SPEC", "TF_CONFIG", "TORCHELASTIC_USE_AGENT_STORE"):
+            env.pop(var, None)
+        procs[rank] = subprocess.Popen([sys.executable, str(FORM)], env=env, text=True,
+                                       stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    out: dict[int, dict[str, Any]] = {}
+    for rank, p in procs.items():
+        stdout, stderr = p.communicate(timeout=timeout)
+        lines = [line for line in stdout.splitlines() if line.startswith("{")]
+        assert lines, f"rank {rank} printed no result (exit {p.returncode}):\n{stderr[-3000:]}"
+        out[rank] = json.loads(lines[-1]) | {"exit": p.returncode, "stderr": stderr}
+    return out
+
+
+# --- parallel start -------------------------------------------------------------------------
+
+@pytest.mark.slow
+def test_primary_twenty_seconds_late_still_forms() -> None:
+    results = run_ranks(4, {0: 20.0, 1: 0.0, 2: 1.5, 3: 0.5})
+    for r in results.values():
+        assert r["exit"] == 0, r["stderr"][-2000:]
+        assert r["sum"] == 10.0  # 1+2+3+4: every rank took part
+        assert r["generation"] == 0
+    # The workers that came early waited for the primary (and said so in their logs).
+    assert results[1]["formed_s"] > 15.0
+    assert "waiting for the primary workerpool0-0" in results[1]["stderr"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("seed", [1, 2])
+def test_random_start_orders_and_delays_form(seed: int) -> None:
+    rng = random.Random(seed)
+    world = rng.choice([3, 4])
+    delays = {r: rng.uniform(0.0, 4.0) for r in range(world)}
+    delays[0] = max(delays.values()) + 1.0  # the primary last
+    results = run_ranks(world, delays)
+    assert {r["sum"] for r in results.values()} == {world * (world + 1) / 2}
+    assert all(r["exit"] == 0 for r in results.values())
+
+
+@pytest.mark.slow
+def test_primary_that_never_comes_is_named_within_the_deadline() -> None:
+    t0 = time.monotonic()
+    results = run_ranks(3, {}, ranks=[1, 2], extra={"JOIN_TIMEOUT_S": "4"})
+    assert time.monotonic() - t0 < 40
+    for r in results.values():
+        assert r["exit"] == 3
+        assert r["error"] == "PrimaryUnreachableError"
+        assert "workerpool0-0" in r["message"] and "did not accept connections" in r["message"]
+        assert r["missing"] == [0]
+        assert r["after_s"] < 15
+
+
+@pytest.mark.slow
+def test_worker_that_never_comes_is_named() -> None:
+    results = run_ranks(3, {}, ranks=[0, 1], extra={"JOIN_TIMEOUT_S": "4"})
+    for r in results.values():
+        assert r["exit"] == 3
+        assert r["error"] == "RendezvousTimeoutError"
+        assert r["missing"] == [2]
+        assert "rank 2 (workerpool1-1)" in r["message"]
+        assert "1 of 3 ranks never arrived" in r["message"]
+
+
+@pytest.mark.slow
+def test_unresolvable_primary_is_a_name_error_not_a_socket_timeout() -> None:
+    results = run_ranks(2, {}, ranks=[1], master_addr="no-such-host.invalid",
+                        extra={"JOIN_TIMEOUT_S": "3"})
+    r = results[1]
+    assert r["error"] == "PrimaryUnreachableError"
+    assert "'no-such-host.invalid' did not resolve" in r["message"]
+
+
+@pytest.mark.slow
+def test_barrier_timeout_names_the_missing_rank_and_shutdown_is_clean() -> None:
+    results = run_ranks(3, {}, extra={"SKIP_BARRIER_RANK": "2", "SKIP_SLEEP_S": "8",
+                                      "BARRIER_TIMEOUT_S": "3"})
+    for rank in (0, 1):
+        r = results[rank]
+        assert r["error"] == "BarrierTimeoutError", r
+        assert r["missing"] == [2]
+        assert "barrier 'after-allreduce.0' timed out" in r["message"]
+        assert "rank 2 (workerpool1-1)" in r["message"]
+    assert results[2]["exit"] == 0
+    for r in results.values():
+        if "threads_after_shutdown" in r:
+            assert r["threads_after_shutdown"] == ["MainThread"]
+            assert r["initialized_after_shutdown"] is False
+        assert "was not destroyed" not in r["stderr"]
+
+
+# --- the rendezvous protocol, in-process -------------------------------------------------
+
+def _rdzv(port: int, rank: int, world: int, **kw: Any) -> Rendezvous:
+    return Rendezvous(host=kw.pop("host", "127.0.0.1"), port=port, rank=rank, world_size=world,
+                      hosts_store=rank == 0, namespace="t",
+                      name_of=lambda r: f"replica{r}", join_timeout_s=kw.pop("timeout", 30.0),
+                      **kw)
+
+
+def _join_all(members: list[Rendezvous], at_least: int = 0) -> list[int]:
+    out: list[int] = [-1] * len(members)
+    errors: list[BaseException] = []
+
+    def go(i: int, r: Rendezvous) -> None:
+        try:
+            if r.store is None:
+                r.connect(time.monotonic() + 30)
+            out[i] = r.join(at_least, time.monotonic() + 30)
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=go, args=(i, r)) for i, r in enumerate(members)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not errors, errors
+    return out
+
+
+def test_a_restarted_rank_starts_a_new_generation_and_survivors_follow() -> None:
+    port = free_port()
+    first = [_rdzv(port, r, 3) for r in range(3)]
+    assert _join_all(first) == [0, 0, 0]
+    # Rank 2 restarts: a new process, a new incarnation, the same rank.
+    reborn = _rdzv(port, 2, 3)
+    reborn.connect(time.monotonic() + 10)
+    gens: list[int] = []
+    t = threading.Thread(target=lambda: gens.append(reborn.join(0, time.monotonic() + 30)))
+    t.start()
+    deadline = time.monotonic() + 10
+    while first[0].generation() == 0 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    # It never re-joins generation 0 (its old self was a member): generation 1 began.
+    assert first[0].generation() == 1
+    assert "replica2 (rank 2) restarted" in first[0].cause(1)
+    assert _join_all(first[:2], at_least=1) == [1, 1]
+    t.join(30)
+    assert gens == [1]
+
+
+def test_concurrent_survivors_agree_on_one_next_generation() -> None:
+    port = free_port()
+    members = [_rdzv(port, r, 3) for r in range(3)]
+    assert _join_all(members) == [0, 0, 0]
+    # Every survivor saw the failure and moves on at once: they still meet in generation 1.
+    assert _join_all(members, at_least=1) == [1, 1, 1]
+    assert _join_all(members, at_least=2) == [2, 2, 2]
+
+
+def test_resolution_that_fails_for_a_while_then_succeeds() -> None:
+    calls = []
+
+    def flaky(host: str, port: int, **kw: Any) -> Any:
+        calls.append(time.monotonic())
+        if len(calls) < 4:
+            raise socket.gaierror(socket.EAI_NONAME, "Name or service not known")
+        return [(socket.AF_INET, socket.SOCK_STREAM, 6, "", ("127.0.0.1", port))]
+
+    port = free_port()
+    host = _rdzv(port, 0, 2)
+    client = _rdzv(port, 1, 2, host="primary-not-yet.example", resolver=flaky)
+    assert _join_all([host, client]) == [0, 0]
+    assert len(calls) >= 4
+
+
+def test_resolution_that_never_succeeds_names_the_host() -> None:
+    def never(host: str, port: int, **kw: Any) -> Any:
+        raise socket.gaierror(socket.EAI_NONAME, "Name or service not known")
+
+    t0 = time.monotonic()
+    with pytest.raises(PrimaryUnreachableError, match="'workerpool0-0' did not resolve within 1 s"):
+        resolve("workerpool0-0", 2222, deadline_s=1.0, resolver=never)
+    assert time.monotonic() - t0 < 10
+
+
+def test_barrier_in_process_names_missing_and_sees_a_new_generation() -> None:
+    port = free_port()
+    members = [_rdzv(port, r, 2) for r in range(2)]
+    assert _join_all(members) == [0, 0]
+    with pytest.raises(RendezvousTimeoutError, match=r"rank 1 \(replica1\)") as info:
+        members[0].barrier(0, "solo", timeout_s=0.3)
+    assert info.value.missing == (1,)
+    # A newer generation ends any barrier of the old one.
+    members[1].store.compare_set("t/gen", "0", "1")
+    with pytest.raises(PeerRestartedError, match="generation 0 ended during barrier"):
+        members[0].barrier(0, "stale", timeout_s=5)
+
+
+# --- classification, options, watchdog -------------------------------------------------
+
+@pytest.mark.parametrize("text", [
+    "[pair.cc:553] Connection closed by peer [127.0.0.1]:30080",
+    "Read error [127.0.0.1]:31116: Connection reset by peer",
+    "NCCL communicator was aborted on rank 1",
+])
+def test_peer_failures_are_recognised(text: str) -> None:
+    assert is_peer_failure(RuntimeError(text))
+    try:
+        try:
+            raise RuntimeError(text)
+        except RuntimeError as inner:
+            raise ValueError("a background checkpoint save failed") from inner
+    except ValueError as outer:
+        assert is_peer_failure(outer)  # found through the cause chain
+
+
+def test_ordinary_bugs_are_not_peer_failures() -> None:
+    assert not is_peer_failure(RuntimeError("mat1 and mat2 shapes cannot be multiplied"))
+    assert not is_peer_failure(KeyError("weight"))
+    assert not is_peer_failure(RendezvousTimeoutError("connection refused for 900 s"))
+    assert is_peer_failure(PeerRestartedError("generation 2 began", 1))
+
+
+def test_options_validate_and_read_the_environment() -> None:
+    with pytest.raises(DistributedConfigError, match="on_peer_restart"):
+        DistributedOptions(on_peer_restart="ignore")  # type: ignore[arg-type]
+    with pytest.raises(DistributedConfigError, match="backend"):
+        DistributedOptions(backend="mpi")
+    with pytest.raises(DistributedConfigError, match="join_timeout_s must be > 0"):
+        DistributedOptions(join_timeout_s=0)
+    opts = DistributedOptions.from_env(env={"RESILIENT_TRAIN_JOIN_TIMEOUT_S": "30",
+                                            "RESILIENT_TRAIN_HANG_TIMEOUT_S": "120",
+                                            "RESILIENT_TRAIN_ON_PEER_RESTART": "exit"})
+    assert (opts.join_timeout_s, opts.hang_timeout_s, opts.on_peer_restart) == (30, 120, "exit")
+    with pytest.raises(DistributedConfigError, match="RESILIENT_TRAIN_JOIN_TIMEOUT_S"):
+        DistributedOptions.from_env(env={"RESILIENT_TRAIN_JOIN_TIMEOUT_S": "soon"})
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_hang_watchdog_fires_only_when_armed_and_idle() -> None:
+    clock = FakeClock()
+    fired: list[str] = []
+    event = threading.Event()
+
+    def on_hang(msg: str) -> None:
+        fired.append(msg)
+        event.set()
+
+    dog = HangWatchdog(0.5, on_hang=on_hang, clock=clock)
+    try:
+        clock.now = 100.0  # a long start-up before the first step: not a hang
+        assert not event.wait(0.3)
+        dog.arm()
+        dog.beat(1)          # the first step after arming starts the count
+        clock.now = 100.4
+        dog.beat(2)
+        assert not event.wait(0.3)
+        clock.now = 101.0    # 0.6 s without a step
+        assert event.wait(10)
+        assert "no training step finished for 1 s" in fired[0]
+        assert "the last one was step 2" in fired[0]
+    finally:
+        dog.close()
+
+
+def test_hang_watchdog_disarmed_never_fires() -> None:
+    clock = FakeClock()
+    event = threading.Event()
+    dog = HangWatchdog(0.2, on_hang=lambda m: event.set(), clock=clock)
+    try:
+        dog.arm()
+        dog.beat(1)
+        dog.disarm()  # e.g. while the group re-forms after a peer restart
+        clock.now = 50.0
+        assert not event.wait(0.5)
+    finally:
+        dog.close()
