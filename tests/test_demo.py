@@ -16,9 +16,10 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def _launch(tmp_path: Path, name: str, *args: str, workers: int = 2,
-            script_args: tuple[str, ...] = ()) -> tuple[subprocess.CompletedProcess[str], Path]:
+            script_args: tuple[str, ...] = (), env: dict[str, str] | None = None
+            ) -> tuple[subprocess.CompletedProcess[str], Path]:
     env = dict(os.environ, RESILIENT_TRAIN_QUOTA_DIR=str(tmp_path / "quota"),
-               RESILIENT_TRAIN_FORM_TIMEOUT_S="15")
+               RESILIENT_TRAIN_FORM_TIMEOUT_S="15", **(env or {}))
     job_dir = tmp_path / name
     proc = subprocess.run(
         [sys.executable, "-m", "resilient_train.cli", "launch", "--workers", str(workers),
@@ -84,6 +85,20 @@ def test_survivors_recover_in_process_when_the_primary_dies(
     log = proc.stdout + proc.stderr
     assert "the rendezvous store at" in log and "is gone" in log
     assert "process group re-formed at generation" in log
+    assert_same_weights(clean_weights, final_weights(job_dir))
+
+
+@pytest.mark.slow
+def test_on_peer_restart_exit_makes_every_worker_exit_transient(
+        tmp_path: Path, clean_weights: dict[str, torch.Tensor]) -> None:
+    # The option for users who prefer a clean process restart to in-process recovery.
+    _, job_dir = _launch(tmp_path, "exit-mode", "--chaos", "kill:workerpool1-0@5s",
+                         env={"RESILIENT_TRAIN_ON_PEER_RESTART": "exit"})
+    job = json.loads((job_dir / "job.json").read_text())
+    assert job["state"] == "JOB_STATE_SUCCEEDED"
+    first = job["attempts"][0]["replicas"]
+    assert 134 in first["workerpool0-0"]["exit_codes"], first   # the survivor left transient
+    assert len(job["attempts"]) == 2                              # so the job was retried
     assert_same_weights(clean_weights, final_weights(job_dir))
 
 

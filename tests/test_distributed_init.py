@@ -13,6 +13,7 @@ import random
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -30,15 +31,10 @@ from resilient_train.distributed import (
     is_peer_failure,
 )
 from resilient_train.distributed.rendezvous import Rendezvous
+from resilient_train.ports import free_port
 from resilient_train.distributed.resolve import resolve
 
 FORM = Path(__file__).parent / "init_workers" / "form.py"
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def run_ranks(world: int, delays: dict[int, float], *, extra: dict[str, str] | None = None,
@@ -46,22 +42,31 @@ def run_ranks(world: int, delays: dict[int, float], *, extra: dict[str, str] | N
               timeout: float = 120.0) -> dict[int, dict[str, Any]]:
     """Start each rank of ``ranks`` (default all) as its own process after its delay."""
     port = free_port()
-    procs: dict[int, subprocess.Popen[str]] = {}
+    job_id = f"test-{port}-{time.monotonic_ns()}"  # another job's store on a reused port
+    procs: dict[int, tuple[subprocess.Popen[str], Any, Any]] = {}
     for rank in ranks if ranks is not None else range(world):
         env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR=master_addr,
                    MASTER_PORT=str(port), GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1",
-                   DELAY_S=str(delays.get(rank, 0.0)), **(extra or {}))
+                   DELAY_S=str(delays.get(rank, 0.0)), CLOUD_ML_JOB_ID=job_id, **(extra or {}))
         for var in ("CLUSTER_SPEC", "TF_CONFIG", "TORCHELASTIC_USE_AGENT_STORE"):
             env.pop(var, None)
-        procs[rank] = subprocess.Popen([sys.executable, str(FORM)], env=env, text=True,
-                                       stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-    out: dict[int, dict[str, Any]] = {}
-    for rank, p in procs.items():
-        stdout, stderr = p.communicate(timeout=timeout)
+        # Files, not pipes: torch logs a long C++ trace per failed connection attempt, and a
+        # pipe nobody drains yet would block the writer (and the rendezvous) when it fills.
+        out, err = tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")
+        procs[rank] = (subprocess.Popen([sys.executable, str(FORM)], env=env, text=True,
+                                        stdout=out, stderr=err), out, err)
+    results: dict[int, dict[str, Any]] = {}
+    for rank, (p, out, err) in procs.items():
+        p.wait(timeout=timeout)
+        out.seek(0)
+        err.seek(0)
+        stdout, stderr = out.read(), err.read()
+        out.close()
+        err.close()
         lines = [line for line in stdout.splitlines() if line.startswith("{")]
         assert lines, f"rank {rank} printed no result (exit {p.returncode}):\n{stderr[-3000:]}"
-        out[rank] = json.loads(lines[-1]) | {"exit": p.returncode, "stderr": stderr}
-    return out
+        results[rank] = json.loads(lines[-1]) | {"exit": p.returncode, "stderr": stderr}
+    return results
 
 
 # --- parallel start -------------------------------------------------------------------------
@@ -139,6 +144,21 @@ def test_barrier_timeout_names_the_missing_rank_and_shutdown_is_clean() -> None:
             assert r["threads_after_shutdown"] == ["MainThread"]
             assert r["initialized_after_shutdown"] is False
         assert "was not destroyed" not in r["stderr"]
+
+
+@pytest.mark.slow
+def test_forms_under_torchrun_with_its_agent_store(tmp_path: Path) -> None:
+    env = dict(os.environ, GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1")
+    for var in ("CLUSTER_SPEC", "TF_CONFIG", "RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(var, None)
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+         str(FORM)], env=env, cwd=tmp_path, capture_output=True, text=True, timeout=120,
+        check=False)
+    results = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert sorted(r["rank"] for r in results) == [0, 1]
+    assert {r["sum"] for r in results} == {3.0}
 
 
 # --- the rendezvous protocol, in-process -------------------------------------------------

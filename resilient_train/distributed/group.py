@@ -170,10 +170,12 @@ class DistributedGroup:
         agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
         # Under torchrun the agent hosts the store and restarts every worker on a failure:
         # one namespace per restart round. Elsewhere rank 0 hosts it.
-        namespace = "rt"
+        # The job's id in the namespace: a worker that reaches another job's store (a port
+        # reused on a shared host) waits for its own job instead of joining that one.
+        job = info.job_id or os.environ.get("TORCHELASTIC_RUN_ID") or "job"
+        namespace = f"rt/{job}"
         if agent_store:
-            run_id = os.environ.get("TORCHELASTIC_RUN_ID", "run")
-            namespace = f"rt/{run_id}/{info.restart_count}"
+            namespace = f"rt/{job}/{info.restart_count}"
         self._rdzv = Rendezvous(
             host=info.master_addr, port=info.master_port, rank=info.rank,
             world_size=info.world_size, hosts_store=info.rank == 0 and not agent_store,

@@ -108,6 +108,11 @@ class Rendezvous:
                                       timeout=_ms(min(1.0, max(remaining, 0.1))),
                                       wait_for_workers=False)
                 store.set_timeout(_ms(min(10.0, max(remaining, 0.5))))
+                if self.rank == 0:
+                    # Under torchrun the agent hosts the store and rank 0 only initialises our
+                    # keys (once per namespace, that is per restart round).
+                    store.compare_set(self._key("gen"), "", "0")
+                    store.compare_set(self._key("epoch"), "", self.incarnation)
                 store.wait([self._key("epoch")])
                 self.epoch = store.get(self._key("epoch")).decode()
                 store.set_timeout(_ms(max(remaining, 1.0)))
@@ -240,7 +245,7 @@ class Rendezvous:
                                describe_ranks(missing, self.name_of), now - start,
                                self.join_timeout_s)
             time.sleep(sleep)
-            sleep = min(sleep * 2, self.poll_s * 5)
+            sleep = min(sleep * 2, self.poll_s)
 
     def _tell_waiters(self, gen: int, message: str, missing: list[int]) -> None:
         """Leave the verdict in the store and give the waiting ranks a moment to read it."""

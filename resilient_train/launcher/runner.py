@@ -28,6 +28,7 @@ from typing import IO, Any
 import psutil
 
 from ..errors import exit_code_for, read_error_report
+from ..ports import free_port
 from .chaos import ChaosSchedule, ChaosSpec, FaultKind, ScheduledFault
 from .job import (
     Command,
@@ -224,12 +225,6 @@ class _Watchdog:
         self.proc = None
 
 
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 class Launcher:
     def __init__(self, options: LaunchOptions, *, echo: Callable[[str], None] | None = None,
                  echo_workers: bool = True, clock: Callable[[], float] = time.time) -> None:
@@ -257,7 +252,7 @@ class Launcher:
         job_dir_abs = self.job_dir.resolve()
         self.env = JobEnv(
             job_id=options.job_name, replicas=self.replicas, master_addr="127.0.0.1",
-            master_port=free_port(),
+            master_port=free_port(),  # outside the ephemeral range: see ports.py
             output_base=(options.output_dir or str(job_dir_abs / "output")).rstrip("/"),
             job_dir=str(job_dir_abs), launch_id=uuid.uuid4().hex)
         self._watchdog: _Watchdog | None = None

@@ -43,6 +43,7 @@ result: dict[str, object] = {"rank": group.rank, "sum": t.item(),
 if os.environ.get("SKIP_BARRIER_RANK") == str(rank):
     time.sleep(float(os.environ.get("SKIP_SLEEP_S", "10")))
     group.shutdown(wait_for_peers=False)
+    print(json.dumps(result | {"skipped_barrier": True}), flush=True)
     sys.exit(0)
 try:
     group.barrier("after-allreduce")
