@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import atexit
 import datetime
+import gc
 import logging
 import os
 import threading
@@ -236,7 +237,14 @@ class DistributedGroup:
             except Exception as exc:
                 if not (self._peer_lost.is_set() or is_peer_failure(exc)):
                     raise
-                self.recover(exc)
+                reason = _one_line(exc)
+            # Out of the except block, the exception's traceback and with it fn's frames
+            # (DDP, the checkpoint manager: whatever holds the process group) are freed, so
+            # destroying the group really closes its sockets. A survivor blocked in a
+            # collective on *us* (not on the dead peer) then fails at once instead of
+            # waiting for the collective timeout.
+            gc.collect()
+            self.recover(reason)
 
     def recover(self, cause: BaseException | str) -> None:
         """Tear the process group down and re-form it at the next generation (or, with
@@ -364,9 +372,17 @@ class DistributedGroup:
 
         if dist.is_initialized():
             try:
+                from torch.distributed.distributed_c10d import _abort_process_group
+
+                _abort_process_group()
+            except Exception as exc:
+                logger.debug("abort: %s", exc)
+        if dist.is_initialized():
+            try:
                 dist.destroy_process_group()
             except Exception as exc:  # already aborted, or the peer is gone: nothing to free
                 logger.debug("destroy_process_group: %s", exc)
+        gc.collect()  # gloo closes a group's sockets when the last reference goes
 
     def _store_alive(self) -> bool:
         store = self._rdzv.store

@@ -1,0 +1,47 @@
+"""Three ranks train (all-reduce in a loop); the primary dies mid-loop.
+
+Only the ranks that exchange data with the dead one in gloo's algorithm see an error; the
+others wait on a *survivor*. That survivor re-forms, and destroying its old group must
+close its sockets so the waiting one fails at once, not at the collective timeout. Each
+survivor prints how long after the death its collective failed, as one JSON line.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+import resilient_train as rt
+
+rank = int(os.environ["RANK"])
+group = rt.init_distributed(rt.DistributedOptions(join_timeout_s=6, collective_timeout_s=60))
+dist.all_reduce(torch.ones(1))
+dist.barrier()
+death = time.time() + 1.0
+noticed: dict[str, float] = {}
+
+
+def fn() -> None:
+    try:
+        while True:
+            dist.all_reduce(torch.ones(1 << 16))
+            if rank == 0 and time.time() >= death:
+                os._exit(9)  # the primary dies mid-training (nobody restarts it here)
+    finally:
+        noticed.setdefault("failed_after_s", time.time() - death)
+
+
+try:
+    group.run(fn)
+except rt.RendezvousTimeoutError:
+    pass  # nobody restarts the primary in this test
+except Exception as exc:  # noqa: BLE001 - reported to the test
+    print(json.dumps({"rank": rank, "unexpected": repr(exc)[:300]}), flush=True)
+print(json.dumps({"rank": rank, "recoveries": group.recoveries, **noticed}), flush=True)
+sys.stdout.flush()
+os._exit(0)
