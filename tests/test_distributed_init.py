@@ -149,6 +149,32 @@ def test_barrier_timeout_names_the_missing_rank_and_shutdown_is_clean() -> None:
 
 
 @pytest.mark.slow
+def test_forms_from_the_platforms_cluster_spec_alone() -> None:
+    # On the platform there is no RANK / MASTER_ADDR: only CLUSTER_SPEC (PLATFORM.md 6).
+    from resilient_train.cluster import cluster_spec_json
+
+    port = free_port()
+    cluster = {"workerpool0": [f"localhost:{port}"],
+               "workerpool1": [f"localhost:{port + 1}", f"localhost:{port + 2}"]}
+    procs = []
+    for pool, index in (("workerpool1", 1), ("workerpool0", 0), ("workerpool1", 0)):
+        env = {k: v for k, v in os.environ.items() if k not in (
+            "RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "TF_CONFIG", "LOCAL_RANK",
+            "TORCHELASTIC_USE_AGENT_STORE")}
+        env.update(CLUSTER_SPEC=cluster_spec_json(cluster, pool, index,
+                                                  job={"job_id": f"spec-{port}"}),
+                   CLOUD_ML_JOB_ID=f"spec-{port}", GLOO_SOCKET_IFNAME="lo")
+        procs.append(subprocess.Popen([sys.executable, str(FORM)], env=env, text=True,
+                                      stdout=subprocess.PIPE, stderr=subprocess.DEVNULL))
+    results = []
+    for p in procs:
+        out, _ = p.communicate(timeout=120)
+        results.append(json.loads([ln for ln in out.splitlines() if ln.startswith("{")][-1]))
+    assert sorted(r["rank"] for r in results) == [0, 1, 2]
+    assert {r["sum"] for r in results} == {6.0}
+
+
+@pytest.mark.slow
 def test_forms_under_torchrun_with_its_agent_store(tmp_path: Path) -> None:
     env = dict(os.environ, GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1")
     for var in ("CLUSTER_SPEC", "TF_CONFIG", "RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):

@@ -51,8 +51,8 @@ _PEER_LOST = (
 class DistributedOptions:
     """How the group forms and what happens when a peer goes away.
 
-    Environment overrides (read by `from_env`, which `init_distributed` uses when no
-    options are given): RESILIENT_TRAIN_JOIN_TIMEOUT_S, RESILIENT_TRAIN_FORM_TIMEOUT_S,
+    Environment overrides (read by `from_env`; `init_distributed` applies them on top of
+    the options it is given): RESILIENT_TRAIN_JOIN_TIMEOUT_S, RESILIENT_TRAIN_FORM_TIMEOUT_S,
     RESILIENT_TRAIN_HANG_TIMEOUT_S, RESILIENT_TRAIN_ON_PEER_RESTART.
     """
 
@@ -483,7 +483,9 @@ def init_distributed(options: DistributedOptions | None = None, *,
         raise DistributedConfigError(
             "torch.distributed is already initialized: call init_distributed() instead of "
             "init_process_group(), once per process (or shutdown() the previous group)")
-    options = options or DistributedOptions.from_env()
+    # The environment wins over the code's options: an operator changes behaviour per job
+    # (a longer join timeout, exit instead of recover) without editing the script.
+    options = DistributedOptions.from_env(options)
     group = DistributedGroup(info or ClusterInfo.from_env(), options, resolver)
     group._form(0)
     return group

@@ -29,6 +29,14 @@ import uuid
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from tenacity import (
+    RetryCallState,
+    Retrying,
+    retry_if_exception_type,
+    stop_after_delay,
+    wait_random_exponential,
+)
+
 from .errors import (
     BarrierTimeoutError,
     DistributedConfigError,
@@ -80,8 +88,6 @@ class Rendezvous:
     def connect(self, deadline: float) -> None:
         """Host the store (rank 0 without an agent store) or connect to it, until ``deadline``
         (a time.monotonic() value). Sets ``self.store`` and ``self.epoch``."""
-        import torch.distributed as dist
-
         if self.hosts_store:
             self.store = self._host_store(deadline)
             self.epoch = self.incarnation
@@ -90,52 +96,55 @@ class Rendezvous:
             self.store.set(self._key("epoch"), self.epoch)
             return
         what = f"the primary {self.name_of(0)}"
-        start = time.monotonic()
-        last_log = start
-        attempt = 0
-        while True:
-            remaining = deadline - time.monotonic()
-            kwargs: dict[str, Any] = {}
-            if self.resolver is not None:
-                kwargs["resolver"] = self.resolver
-            address = resolve(self.host, self.port, deadline_s=max(0.0, remaining), what=what,
-                              **kwargs)
-            remaining = deadline - time.monotonic()
-            try:
-                # Short attempts: torch's own retry inside one attempt backs off to seconds,
-                # which is how long a worker would then lag behind a primary that is up.
-                store = dist.TCPStore(address, self.port, is_master=False,
-                                      timeout=_ms(min(1.0, max(remaining, 0.1))),
-                                      wait_for_workers=False)
-                store.set_timeout(_ms(min(10.0, max(remaining, 0.5))))
-                if self.rank == 0:
-                    # Under torchrun the agent hosts the store and rank 0 only initialises our
-                    # keys (once per namespace, that is per restart round).
-                    store.compare_set(self._key("gen"), "", "0")
-                    store.compare_set(self._key("epoch"), "", self.incarnation)
-                store.wait([self._key("epoch")])
-                self.epoch = store.get(self._key("epoch")).decode()
-                store.set_timeout(_ms(max(remaining, 1.0)))
-                self.store = store
-                if attempt:
-                    logger.info("connected to %s's store at %s:%d after %.1f s", what,
-                                self.host, self.port, time.monotonic() - start)
-                return
-            except (RuntimeError, OSError) as exc:  # DistNetworkError / DistStoreError
-                attempt += 1
-                now = time.monotonic()
-                if now >= deadline:
-                    raise PrimaryUnreachableError(
-                        f"{what} at {self.host}:{self.port} did not accept connections "
-                        f"within {self.join_timeout_s:.0f} s (last error: "
-                        f"{str(exc).splitlines()[0] if str(exc) else type(exc).__name__}). "
-                        f"Check that the primary started and that MASTER_ADDR/MASTER_PORT "
-                        f"(or CLUSTER_SPEC) point at it.", missing=(0,)) from exc
-                if now - last_log >= PROGRESS_EVERY_S:
-                    last_log = now
-                    logger.warning("waiting for %s at %s:%d, %.0f s of %.0f s", what,
-                                   self.host, self.port, now - start, self.join_timeout_s)
-                time.sleep(min(0.05 * attempt, 0.5, max(0.0, deadline - now)))
+        start = last_log = time.monotonic()
+
+        def log_progress(state: RetryCallState) -> None:
+            nonlocal last_log
+            now = time.monotonic()
+            if now - last_log >= PROGRESS_EVERY_S:
+                last_log = now
+                logger.warning("waiting for %s at %s:%d, %.0f s of %.0f s", what, self.host,
+                               self.port, now - start, self.join_timeout_s)
+
+        retrying = Retrying(
+            retry=retry_if_exception_type((RuntimeError, OSError)),  # DistNetwork/StoreError
+            wait=wait_random_exponential(multiplier=0.05, max=0.5),  # full jitter
+            stop=stop_after_delay(max(0.0, deadline - start)),
+            before_sleep=log_progress, reraise=True)
+        try:
+            retrying(self._connect_once, deadline, what)
+        except (RuntimeError, OSError) as exc:
+            raise PrimaryUnreachableError(
+                f"{what} at {self.host}:{self.port} did not accept connections "
+                f"within {self.join_timeout_s:.0f} s (last error: "
+                f"{str(exc).splitlines()[0] if str(exc) else type(exc).__name__}). "
+                f"Check that the primary started and that MASTER_ADDR/MASTER_PORT "
+                f"(or CLUSTER_SPEC) point at it.", missing=(0,)) from exc
+        if time.monotonic() - start > 1.0:
+            logger.info("connected to %s's store at %s:%d after %.1f s", what, self.host,
+                        self.port, time.monotonic() - start)
+
+    def _connect_once(self, deadline: float, what: str) -> None:
+        import torch.distributed as dist
+
+        kwargs: dict[str, Any] = {"resolver": self.resolver} if self.resolver else {}
+        address = resolve(self.host, self.port, what=what,
+                          deadline_s=max(0.0, deadline - time.monotonic()), **kwargs)
+        remaining = deadline - time.monotonic()
+        # Short attempts: torch's own retry inside one attempt backs off to seconds, which is
+        # how long a worker would then lag behind a primary that is already up.
+        store = dist.TCPStore(address, self.port, is_master=False,
+                              timeout=_ms(min(1.0, max(remaining, 0.1))), wait_for_workers=False)
+        store.set_timeout(_ms(min(10.0, max(remaining, 0.5))))
+        if self.rank == 0:
+            # Under torchrun the agent hosts the store and rank 0 only initialises our keys
+            # (once per namespace, that is per restart round).
+            store.compare_set(self._key("gen"), "", "0")
+            store.compare_set(self._key("epoch"), "", self.incarnation)
+        store.wait([self._key("epoch")])
+        self.epoch = store.get(self._key("epoch")).decode()
+        store.set_timeout(_ms(max(remaining, 1.0)))
+        self.store = store
 
     def _host_store(self, deadline: float) -> Any:
         import torch.distributed as dist

@@ -22,7 +22,7 @@ import resilient_train as rt
 
 logging.basicConfig(level=logging.INFO, stream=sys.stderr,
                     format="%(asctime)s %(name)s %(levelname)s %(message)s")
-rank = int(os.environ["RANK"])
+rank = rt.ClusterInfo.from_env().rank  # RANK, or the platform's CLUSTER_SPEC
 time.sleep(float(os.environ.get("DELAY_S", "0")))
 t0 = time.monotonic()
 try:
