@@ -272,6 +272,23 @@ def test_sharded_on_an_object_store(tmp_path: Path, gcs_bucket: Any) -> None:
     assert checked.ok, checked.problems
 
 
+def test_sharded_save_to_gcs_rides_out_503s(tmp_path: Path, gcs_bucket: Any,
+                                            gcs_proxy: Any) -> None:
+    """DCP writes each rank's shard through gcsfs: injected 503s on those uploads are
+    retried (gcsfs's own retry on 5xx) and the step still commits and restores exactly."""
+    gcs_proxy.inject(503, count=4, method="POST", path=r"/upload/.*distcp")
+    out = tmp_path / "out"
+    r0, r1 = run("sharded_gcs", 2, gcs_bucket.url, out,
+                 extra_env={"RT_GCS_ENDPOINT": gcs_proxy.endpoint})
+    assert gcs_proxy.injected == 4
+    for r in (r0, r1):
+        assert r["restored"]["step"] == 3
+        assert bitwise_equal(r["restored"]["weights"], r0["saved"]["weights"])
+    storage = Storage(gcs_bucket.url, storage_options=gcs_bucket.storage_options)
+    (info,) = [i for i in scan(storage) if i.committed]
+    assert verify_step(storage, info).ok
+
+
 def test_dcp_metadata_is_parsed_without_running_code(tmp_path: Path) -> None:
     """DCP's .metadata is a pickle (DCP itself reads it with pickle.load): ours refuses
     anything but checkpoint metadata classes."""
