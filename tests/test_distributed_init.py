@@ -185,7 +185,7 @@ def test_forms_under_torchrun_with_its_agent_store(tmp_path: Path) -> None:
         check=False)
     results = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert sorted(r["rank"] for r in results) == [0, 1]
+    assert sorted(r["rank"] for r in results) == [0, 1], proc.stdout + proc.stderr[-3000:]
     assert {r["sum"] for r in results} == {3.0}
 
 
