@@ -87,23 +87,21 @@ class DistributedOptions:
     def from_env(cls, base: DistributedOptions | None = None,
                  env: dict[str, str] | None = None) -> DistributedOptions:
         env = dict(os.environ) if env is None else env
-        out = base or cls()
+        changes: dict[str, Any] = {}
         for var, field in (("RESILIENT_TRAIN_JOIN_TIMEOUT_S", "join_timeout_s"),
                            ("RESILIENT_TRAIN_FORM_TIMEOUT_S", "form_timeout_s"),
                            ("RESILIENT_TRAIN_HANG_TIMEOUT_S", "hang_timeout_s")):
             raw = env.get(var, "").strip()
             if raw:
                 try:
-                    seconds = float(raw)
+                    changes[field] = float(raw)
                 except ValueError as exc:
                     raise DistributedConfigError(
                         f"{var}: expected a number of seconds, found {raw!r}") from exc
-                out = replace(out, join_timeout_s=seconds) if field == "join_timeout_s" else (
-                    replace(out, form_timeout_s=seconds) if field == "form_timeout_s" else
-                    replace(out, hang_timeout_s=seconds))
         mode = env.get("RESILIENT_TRAIN_ON_PEER_RESTART", "").strip()
         if mode:
-            out = replace(out, on_peer_restart=mode)  # type: ignore[arg-type]
+            changes["on_peer_restart"] = mode
+        out = replace(base or cls(), **changes)  # validated again by __post_init__
         return out
 
 
