@@ -29,6 +29,9 @@ _LAZY = {
     "every_n_steps": "resilient_train.checkpoint.policy",
     "every": "resilient_train.checkpoint.policy",
     "RetryOptions": "resilient_train.checkpoint.storage",
+    "main": "resilient_train.runtime",
+    "Context": "resilient_train.runtime",
+    "MainOptions": "resilient_train.runtime",
     "init_distributed": "resilient_train.distributed.group",
     "DistributedGroup": "resilient_train.distributed.group",
     "DistributedOptions": "resilient_train.distributed.group",
@@ -44,7 +47,7 @@ __all__ = [
     "TransientError", "exit_permanent", "exit_transient", "record",
     # loaded on first use (see _LAZY)
     "CheckpointManager", "CheckpointOptions", "RetentionPolicy", "RetryOptions", "every",
-    "every_n_steps", "init_distributed", "DistributedGroup", "DistributedOptions",
+    "every_n_steps", "main", "Context", "MainOptions", "init_distributed", "DistributedGroup", "DistributedOptions",
     "is_peer_failure", "BarrierTimeoutError", "PeerRestartedError", "PrimaryUnreachableError",
     "RendezvousTimeoutError",
 ]
@@ -60,6 +63,7 @@ if TYPE_CHECKING:
         PrimaryUnreachableError,
         RendezvousTimeoutError,
     )
+    from .runtime import Context, MainOptions, main
     from .distributed.group import (
         DistributedGroup,
         DistributedOptions,

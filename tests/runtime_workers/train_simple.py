@@ -1,0 +1,48 @@
+"""A training script written the way DESIGN.md section 1 shows, for the runtime tests.
+
+Environment: CKPT (checkpoint directory), STEPS, FAIL_AT (raise at this step, once: the
+marker file FAIL_ONCE says it already happened), FAIL_KIND (transient | bug), OUT (where
+the final weights go).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+from torch import nn
+
+import resilient_train as rt
+
+
+@rt.main(options=rt.MainOptions(
+    checkpoint_dir=os.environ["CKPT"],
+    checkpoint=rt.CheckpointOptions(save_every_steps=5, async_save=True)))
+def train(ctx: rt.Context) -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1)).to(ctx.device)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    ctx.track(model=model, optimizer=opt)
+    fail_at = int(os.environ.get("FAIL_AT", "-1"))
+    once = Path(os.environ.get("FAIL_ONCE", "/nonexistent/x"))
+    for step in ctx.steps(int(os.environ.get("STEPS", "20"))):
+        x = torch.randn(32, 8)  # the global RNG: restored exactly from the checkpoint
+        loss = (model(x) - x[:, :1]).pow(2).mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        ctx.values["data_position"] = step + 1
+        if step == fail_at and not once.exists():
+            once.touch()
+            if os.environ.get("FAIL_KIND") == "bug":
+                raise ValueError("a bug in the training step")
+            raise rt.TransientError("the data loader lost its connection")
+    if ctx.is_primary:
+        torch.save(model.state_dict(), os.environ["OUT"])
+    print(f"restored_step={ctx.restored_step} data_position={ctx.values['data_position']}",
+          flush=True)
+
+
+if __name__ == "__main__":
+    train()

@@ -1,0 +1,59 @@
+"""@rt.main and Context: resume after a failure ends bitwise equal to an uninterrupted run;
+exceptions become the platform's exit codes with an error report."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+SCRIPT = Path(__file__).parent / "runtime_workers" / "train_simple.py"
+
+
+def run(tmp: Path, name: str, **env: str) -> subprocess.CompletedProcess[str]:
+    full = {k: v for k, v in os.environ.items() if k not in (
+        "RANK", "WORLD_SIZE", "CLUSTER_SPEC", "TF_CONFIG", "MASTER_ADDR", "MASTER_PORT")}
+    full.update(CKPT=str(tmp / name / "ckpt"), OUT=str(tmp / name / "final.pt"),
+                TORCHELASTIC_ERROR_FILE=str(tmp / name / "report.json"), **env)
+    return subprocess.run([sys.executable, str(SCRIPT)], env=full, text=True,
+                          capture_output=True, timeout=120, check=False)
+
+
+@pytest.mark.slow
+def test_a_transient_failure_exits_134_and_the_rerun_resumes_exactly(tmp_path: Path) -> None:
+    clean = run(tmp_path, "clean")
+    assert clean.returncode == 0, clean.stderr[-2000:]
+
+    once = str(tmp_path / "failed-once")
+    first = run(tmp_path, "faulty", FAIL_AT="12", FAIL_ONCE=once)
+    assert first.returncode == 134, first.stderr[-2000:]
+    report = json.loads((tmp_path / "faulty" / "report.json").read_text())["resilient_train"]
+    assert report["classification"] == "transient"
+    assert "the data loader lost its connection" in report["message"]
+
+    second = run(tmp_path, "faulty", FAIL_AT="12", FAIL_ONCE=once)  # the platform's restart
+    assert second.returncode == 0, second.stderr[-2000:]
+    # It resumed after the last save before the failure (every 5 steps: step 10), not anew.
+    assert "restored_step=10 data_position=20" in second.stdout
+    assert "restored_step=None" in clean.stdout
+    a = torch.load(tmp_path / "clean" / "final.pt", weights_only=True)
+    b = torch.load(tmp_path / "faulty" / "final.pt", weights_only=True)
+    assert a.keys() == b.keys()
+    for key in a:
+        assert torch.equal(a[key], b[key]), key
+
+
+@pytest.mark.slow
+def test_a_bug_exits_1_with_the_traceback_in_the_report(tmp_path: Path) -> None:
+    proc = run(tmp_path, "bug", FAIL_AT="3", FAIL_KIND="bug",
+               FAIL_ONCE=str(tmp_path / "bug-once"))
+    assert proc.returncode == 1
+    report = json.loads((tmp_path / "bug" / "report.json").read_text())["resilient_train"]
+    assert report["classification"] == "permanent"
+    assert "ValueError: a bug in the training step" in report["message"]
+    assert "train_simple.py" in report["traceback"]
