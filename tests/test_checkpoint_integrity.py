@@ -54,7 +54,9 @@ from resilient_train.checkpoint.storage import (
     Storage,
     StorageNotFoundError,
     StoragePermissionError,
+    StorageUnavailableError,
 )
+from resilient_train.errors import Classification, classify_exception
 
 FAST = RetryOptions(deadline_s=30.0, initial_s=0.01, max_wait_s=0.1)
 LOGGER = manager_mod.log.name
@@ -546,12 +548,32 @@ def test_async_error_from_write_bytes_surfaces_on_next_maybe_save(
             mgr.maybe_save(3)
         assert "injected: write failed" in str(info.value)
         assert isinstance(info.value.__cause__, OSError)
+        # A plain OSError is not known to be transient: exit 1 if it escapes.
+        assert classify_exception(info.value) is Classification.PERMANENT
         assert any("step 2 failed" in r.getMessage() for r in caplog.records)
         assert set(committed_names(mgr.storage)) == {1}
         # Raised once, then the manager works again.
         assert mgr.maybe_save(3)
         mgr.wait()
         assert set(committed_names(mgr.storage)) == {1, 3}
+
+
+def test_a_background_save_lost_to_a_storage_outage_is_transient(
+        cheap_backend: Backend, monkeypatch: pytest.MonkeyPatch) -> None:
+    def unavailable(self: Storage, rel: str, data: Any, **kw: Any) -> None:
+        raise StorageUnavailableError("injected: gs://b/x: 503 for 300 s")
+
+    tr = Trainer.fresh()
+    with cheap_backend.manager(async_save=True, save_every_steps=1) as mgr:
+        tr.track(mgr)
+        tr.step()
+        monkeypatch.setattr(Storage, "write_bytes", unavailable)
+        assert mgr.maybe_save(1)
+        with pytest.raises(CheckpointError, match="503 for 300 s") as info:
+            mgr.wait()
+        monkeypatch.undo()
+    # Escaping @rt.main / @rt.record it exits 134: the platform retries the job.
+    assert classify_exception(info.value) is Classification.TRANSIENT
 
 
 @pytest.mark.parametrize("surface", ["wait", "close", "save"])

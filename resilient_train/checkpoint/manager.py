@@ -33,6 +33,7 @@ from typing import Any, BinaryIO
 import torch
 
 from .. import __version__
+from ..errors import Classification, TransientError, classify_exception
 from . import fileio
 from .coordination import Coordinator, default_coordinator
 from .manifest import (
@@ -194,6 +195,10 @@ class _Writer:
             self._thread = None
 
 
+class TransientCheckpointError(CheckpointError, TransientError):
+    """A background save failed for a reason that a retry can fix (storage, network)."""
+
+
 class CheckpointManager:
     """Save, keep and restore training state; see the module docstring for the layout."""
 
@@ -349,7 +354,11 @@ class CheckpointManager:
     def _raise_error(self) -> None:
         err, self._error = self._error, None
         assert err is not None
-        raise CheckpointError(f"a background checkpoint save failed: {err}") from err
+        # Keep the cause's class: a save lost to a storage outage or a dead peer is worth a
+        # retry (exit 134), a save that failed on a bug is not (exit 1).
+        transient = classify_exception(err) is Classification.TRANSIENT
+        cls = TransientCheckpointError if transient else CheckpointError
+        raise cls(f"a background checkpoint save failed: {err}") from err
 
     def _write_guarded(self, step: int, snap: dict[str, Any]) -> None:
         try:
