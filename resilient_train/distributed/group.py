@@ -369,17 +369,18 @@ class DistributedGroup:
         import torch.distributed as dist
 
         if dist.is_initialized():
-            try:
-                from torch.distributed.distributed_c10d import _abort_process_group
+            from torch.distributed.distributed_c10d import _abort_process_group
 
+            # Abort (which NCCL needs to let go of a stuck collective); destroy is the
+            # fallback when the abort itself fails.
+            try:
                 _abort_process_group()
             except Exception as exc:
-                logger.debug("abort: %s", exc)
-        if dist.is_initialized():
-            try:
-                dist.destroy_process_group()
-            except Exception as exc:  # already aborted, or the peer is gone: nothing to free
-                logger.debug("destroy_process_group: %s", exc)
+                logger.debug("abort failed (%s); destroying instead", exc)
+                try:
+                    dist.destroy_process_group()
+                except Exception as exc2:  # the peer is gone: nothing left to free
+                    logger.debug("destroy_process_group: %s", exc2)
         gc.collect()  # gloo closes a group's sockets when the last reference goes
 
     def _store_alive(self) -> bool:

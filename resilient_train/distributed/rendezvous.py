@@ -213,9 +213,9 @@ class Rendezvous:
             if self._wait_members(gen, deadline):
                 return gen
 
-    def _missing(self, gen: int) -> list[int]:
-        return [r for r in range(self.world_size)
-                if not self.store.check([self._key("g", gen, "member", r)])]
+    def _missing(self, keys: list[str]) -> list[int]:
+        """The ranks whose key (``keys[rank]``) is not in the store yet."""
+        return [r for r, key in enumerate(keys) if not self.store.check([key])]
 
     def _wait_members(self, gen: int, deadline: float) -> bool:
         """True when every rank joined ``gen``; False when a newer generation began."""
@@ -233,10 +233,10 @@ class Rendezvous:
                 # (and with it the list of who is missing) goes away.
                 message = bytes(self.store.get(gave_up)).decode()
                 self.store.set(self._key("g", gen, "gave_up_seen", self.rank), "1")
-                raise RendezvousTimeoutError(message, missing=tuple(self._missing(gen)))
+                raise RendezvousTimeoutError(message, missing=tuple(self._missing(keys)))
             now = time.monotonic()
             if now >= deadline:
-                missing = self._missing(gen)
+                missing = self._missing(keys)
                 message = (
                     f"the process group did not form within {self.join_timeout_s:.0f} s: "
                     f"{len(missing)} of {self.world_size} ranks never arrived: "
@@ -248,7 +248,7 @@ class Rendezvous:
                 raise RendezvousTimeoutError(message, missing=tuple(missing))
             if now - last_log >= PROGRESS_EVERY_S:
                 last_log = now
-                missing = self._missing(gen)
+                missing = self._missing(keys)
                 logger.warning("waiting for %d of %d workers: %s, %.0f s of %.0f s",
                                len(missing), self.world_size,
                                describe_ranks(missing, self.name_of), now - start,
@@ -290,7 +290,7 @@ class Rendezvous:
                     f"generation {gen} ended during barrier {name!r}: "
                     f"{self.cause(current) or 'a peer restarted'}", gen)
             if now - start >= timeout_s:
-                missing = [r for r, k in enumerate(keys) if not self.store.check([k])]
+                missing = self._missing(keys)
                 raise BarrierTimeoutError(
                     f"barrier {name!r} timed out after {timeout_s:.0f} s: "
                     f"{len(missing)} of {self.world_size} ranks never reached it: "
@@ -299,7 +299,7 @@ class Rendezvous:
                     f"which.", missing=tuple(missing))
             if now - last_log >= PROGRESS_EVERY_S:
                 last_log = now
-                missing = [r for r, k in enumerate(keys) if not self.store.check([k])]
+                missing = self._missing(keys)
                 logger.warning("barrier %r: waiting for %s, %.0f s of %.0f s", name,
                                describe_ranks(missing, self.name_of), now - start, timeout_s)
             time.sleep(sleep)
