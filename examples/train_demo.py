@@ -4,21 +4,21 @@ Run it under the launcher (CPU: gloo; CUDA: nccl when a GPU is visible):
 
     resilient-train launch --workers 2 --chaos "kill:workerpool1-0@8s" -- python examples/train_demo.py
 
-`rt.init_distributed()` forms the process group whatever order the workers start in.
-The CheckpointManager saves every ``--save-every`` steps (crash-proof, in the background)
-to ``AIP_CHECKPOINT_DIR``, which the launcher and the platform set, and every (re)started
-worker resumes from the latest committed step: weights, optimizer, RNG states and the data
+`rt.main` forms the process group whatever order the workers start in, and `ctx.steps`
+saves every ``--save-every`` steps (crash-proof, in the background) to
+``AIP_CHECKPOINT_DIR``, which the launcher and the platform set. Every (re)started worker
+resumes from the latest committed step: weights, optimizer, RNG states and the data
 position. When a peer dies and is restarted, the survivors notice within a second,
-re-form the group and resume from the same checkpoint in-process (`group.run`), so the
-platform's job-retry budget is not spent. A SIGTERM (maintenance, preemption) triggers an
-emergency save and exit 134.
+re-form the group and call `train` again, resuming from the same checkpoint in-process,
+so the platform's job-retry budget is not spent. A SIGTERM (maintenance, preemption)
+triggers an emergency save and exit 134; an exception becomes an error report and the
+exit code the platform understands.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
-import sys
 import time
 
 import torch
@@ -35,7 +35,35 @@ def batch(step: int, rank: int, world: int, size: int = 64) -> tuple[torch.Tenso
     return x, y
 
 
-@rt.record  # an escaping exception: an error report and the right exit code (134: transient)
+def train(ctx: rt.Context, args: argparse.Namespace) -> None:
+    """One life of the run (a restarted worker, or the survivors after an in-process re-form,
+    call it again): build, then `ctx.steps` restores the latest checkpoint and trains on."""
+    torch.manual_seed(0)
+    model: nn.Module = nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 1)).to(ctx.device)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    ctx.track(model=model, optimizer=opt)
+    ddp = nn.parallel.DistributedDataParallel(model) if ctx.world_size > 1 else model
+    loss = torch.tensor(float("nan"))
+    for step in ctx.steps(args.steps):   # after each step: save by policy, feed the watchdog
+        if step == ctx.restored_step:
+            print(f"rank {ctx.rank}: resumed from step {step} ({ctx.checkpoints.storage.url})",
+                  flush=True)
+        x, y = (t.to(ctx.device) for t in batch(step, ctx.rank, ctx.world_size))
+        loss = nn.functional.mse_loss(ddp(x), y)
+        opt.zero_grad()
+        loss.backward()                  # the gradient all-reduce: fails if a peer died
+        opt.step()
+        time.sleep(args.step_time)
+        if (step == args.hang_at_step and ctx.rank == 1
+                and os.environ.get("RESILIENT_TRAIN_ATTEMPT", "1") == "1"):
+            time.sleep(10_000)           # a hung worker: the watchdog must notice
+        ctx.values["data_position"] = step + 1   # saved with every checkpoint
+        if ctx.is_primary and (step + 1) % 20 == 0:
+            print(f"step {step + 1}/{args.steps} loss {loss.item():.4f}", flush=True)
+    if ctx.is_primary:
+        print(f"finished {args.steps} steps, final loss {loss.item():.4f}", flush=True)
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--steps", type=int, default=300)
@@ -49,48 +77,13 @@ def main() -> None:
     p.add_argument("--hang-at-step", type=int, default=None,
                    help="(fault injection) rank 1 sleeps forever inside this step, once")
     args = p.parse_args()
-
-    group = rt.init_distributed(rt.DistributedOptions(hang_timeout_s=args.hang_timeout))
-    with group:  # destroys the process group on every way out
-        group.run(train, args, group)  # called again after an in-process recovery
-
-
-def train(args: argparse.Namespace, group: rt.DistributedGroup) -> None:
-    """What a (re)started worker runs: build, restore the latest checkpoint, train on."""
-    device = group.device
-    torch.manual_seed(0)
-    model: nn.Module = nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 1)).to(device)
-    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
-
-    with rt.CheckpointManager(args.checkpoint_dir, options=rt.CheckpointOptions(
-            save_every_steps=args.save_every, save_on_sigterm=True)) as mgr:
-        mgr.track(model=model, optimizer=opt)
-        start = mgr.restore_latest() or 0
-        if start:
-            print(f"rank {group.rank}: resumed from step {start} (generation "
-                  f"{group.generation}, {mgr.storage.url})", flush=True)
-        loss = torch.tensor(float("nan"))
-        ddp = nn.parallel.DistributedDataParallel(model) if group.world_size > 1 else model
-        for step in range(start, args.steps):
-            x, y = (t.to(device) for t in batch(step, group.rank, group.world_size))
-            loss = nn.functional.mse_loss(ddp(x), y)
-            opt.zero_grad()
-            loss.backward()              # the gradient all-reduce: fails if a peer died
-            opt.step()
-            time.sleep(args.step_time)
-            if (step == args.hang_at_step and group.rank == 1
-                    and os.environ.get("RESILIENT_TRAIN_ATTEMPT", "1") == "1"):
-                time.sleep(10_000)       # a hung worker: the watchdog must notice
-            mgr.values["data_position"] = step + 1
-            mgr.maybe_save(step + 1)      # by policy; on SIGTERM: emergency save, exit 134
-            group.step_done(step + 1)     # hang watchdog; raises if a peer restarted
-            if group.is_primary and (step + 1) % 20 == 0:
-                print(f"step {step + 1}/{args.steps} loss {loss.item():.4f}", flush=True)
-        if mgr.last_saved_step != args.steps:
-            mgr.save(args.steps)
-    if group.is_primary:
-        print(f"finished {args.steps} steps, final loss {loss.item():.4f}", flush=True)
+    # Options that depend on the command line: decorate at run time instead of with @.
+    options = rt.MainOptions(
+        checkpoint_dir=args.checkpoint_dir,
+        checkpoint=rt.CheckpointOptions(save_every_steps=args.save_every),
+        distributed=rt.DistributedOptions(hang_timeout_s=args.hang_timeout))
+    rt.main(train, options=options)(args)
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    main()

@@ -32,6 +32,8 @@ _LAZY = {
     "main": "resilient_train.runtime",
     "Context": "resilient_train.runtime",
     "MainOptions": "resilient_train.runtime",
+    "ResumableLoader": "resilient_train.data",
+    "ResumableSampler": "resilient_train.data",
     "init_distributed": "resilient_train.distributed.group",
     "DistributedGroup": "resilient_train.distributed.group",
     "DistributedOptions": "resilient_train.distributed.group",
@@ -47,7 +49,7 @@ __all__ = [
     "TransientError", "exit_permanent", "exit_transient", "record",
     # loaded on first use (see _LAZY)
     "CheckpointManager", "CheckpointOptions", "RetentionPolicy", "RetryOptions", "every",
-    "every_n_steps", "main", "Context", "MainOptions", "init_distributed", "DistributedGroup", "DistributedOptions",
+    "every_n_steps", "main", "Context", "MainOptions", "ResumableLoader", "ResumableSampler", "init_distributed", "DistributedGroup", "DistributedOptions",
     "is_peer_failure", "BarrierTimeoutError", "PeerRestartedError", "PrimaryUnreachableError",
     "RendezvousTimeoutError",
 ]
@@ -63,6 +65,7 @@ if TYPE_CHECKING:
         PrimaryUnreachableError,
         RendezvousTimeoutError,
     )
+    from .data import ResumableLoader, ResumableSampler
     from .runtime import Context, MainOptions, main
     from .distributed.group import (
         DistributedGroup,

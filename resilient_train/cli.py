@@ -6,20 +6,27 @@ import argparse
 import json
 import logging
 import os
+import re
 import secrets
 import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 from .launcher.chaos import ChaosSpecError, load_chaos, parse_duration
+from .launcher.jobspec import JobSpec, JobSpecError, load_job_spec
 from .launcher.messages import STATUS_INTERNAL, JobState
 from .launcher.policy import PolicyError, Strategy, default_policy, load_policy, without_retries
 from .launcher.record import read_job
-from .launcher.resources import memory_limit_for, parse_memory
+from .launcher.resources import detect_gpus, memory_limit_for, parse_memory
 from .launcher.runner import Launcher, LaunchError, LaunchOptions, launcher_alive
 
 EXIT_USAGE = 2
+# Defaults of the options a job spec can also set: those options default to None in the
+# parser, so that one given explicitly (even with its default value) beats the spec.
+_DEFAULT_TIMEOUT = 7 * 24 * 3600.0
+_DEFAULT_MAX_WAIT = 24 * 3600.0
 _TERMINAL = {s.value for s in JobState if s.terminal}
 
 EPILOG = """\
@@ -27,11 +34,6 @@ exit status: 0 when the job SUCCEEDED; otherwise the root cause's exit code (a w
 status, 128+N for death by signal N), 137 out of memory, 69 stockout, 70 internal error,
 124 timeout, 130 cancelled, 2 bad usage.
 """
-
-
-def _duration_or_none(text: str) -> float | None:
-    seconds = parse_duration(text)
-    return None if seconds == 0 else seconds
 
 
 def _pool(text: str) -> tuple[str, int]:
@@ -52,7 +54,14 @@ def _parser() -> argparse.ArgumentParser:
 
     lp = sub.add_parser("launch", help="run a command as a job with the platform's semantics",
                         epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter,
-                        usage="resilient-train launch [options] -- COMMAND [ARGS...]")
+                        usage="resilient-train launch [options] -- COMMAND [ARGS...]\n"
+                              "       resilient-train launch --job-spec FILE [options] "
+                              "[-- COMMAND [ARGS...]]")
+    lp.add_argument("--job-spec", type=Path, metavar="FILE",
+                    help="a Vertex AI CustomJob spec (YAML or JSON, as for gcloud ai "
+                    "custom-jobs create --config): pools, command, env, machine type, "
+                    "accelerators, scheduling and output directory from it; options given "
+                    "here win, and a command after -- replaces the spec's")
     lp.add_argument("--workers", type=int, help="replicas: the primary + N-1 workers (default 1)")
     lp.add_argument("--pool", action="append", type=_pool, default=[], metavar="POOL=COUNT",
                     help="explicit worker pool, e.g. --pool workerpool0=1 --pool workerpool1=3")
@@ -60,7 +69,7 @@ def _parser() -> argparse.ArgumentParser:
     lp.add_argument("--job-dir", type=Path, help="job directory (default ./rt-jobs/NAME)")
     lp.add_argument("--output-dir", help="base output directory for AIP_* (local or gs://; "
                     "default JOB_DIR/output)")
-    lp.add_argument("--gpus-per-worker", type=int, default=0, metavar="K")
+    lp.add_argument("--gpus-per-worker", type=int, metavar="K", help="(default 0)")
     lp.add_argument("--cpu-slots", type=int, default=0,
                     help="CPU slots this job takes from the machine-wide quota (default 0)")
     lp.add_argument("--memory-limit", type=parse_memory, metavar="SIZE",
@@ -77,13 +86,14 @@ def _parser() -> argparse.ArgumentParser:
                     "stockout, internal")
     lp.add_argument("--chaos-seed", type=int, default=0)
     lp.add_argument("--policy", type=Path, help="restart policy JSON file (default: the platform's)")
-    lp.add_argument("--strategy", choices=[s.value for s in Strategy], default="standard")
-    lp.add_argument("--max-wait", type=_duration_or_none, default=24 * 3600.0, metavar="DURATION",
+    lp.add_argument("--strategy", choices=[s.value for s in Strategy],
+                    help="(default standard)")
+    lp.add_argument("--max-wait", type=parse_duration, metavar="DURATION",
                     help="flex-start: how long to wait for capacity (default 24h, 0 = forever)")
-    lp.add_argument("--restart-job-on-worker-restart", action="store_true")
-    lp.add_argument("--disable-retries", action="store_true")
-    lp.add_argument("--timeout", type=_duration_or_none, default=7 * 24 * 3600.0,
-                    metavar="DURATION", help="job timeout from RUNNING (default 168h, 0 = none)")
+    lp.add_argument("--restart-job-on-worker-restart", action="store_true", default=None)
+    lp.add_argument("--disable-retries", action="store_true", default=None)
+    lp.add_argument("--timeout", type=parse_duration, metavar="DURATION",
+                    help="job timeout from RUNNING (default 168h, 0 = none)")
     lp.add_argument("--region", default="local", help="region named in stockout messages")
     lp.add_argument("--seed", type=int, default=0, help="seed for start jitter")
     lp.add_argument("--quiet", action="store_true", help="do not echo worker output")
@@ -123,15 +133,18 @@ def _launch(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     command = list(args.command)
     if command and command[0] == "--":
         command = command[1:]
-    if not command:
+    if not command and args.job_spec is None:
         parser.error("launch needs a command after --, e.g. resilient-train launch -- python train.py")
     try:
-        options = _options(args, tuple(command))
+        spec = load_job_spec(args.job_spec) if args.job_spec is not None else None
+        options, notes = _options(args, tuple(command), spec)
         launcher = Launcher(options, echo=lambda line: print(line, flush=True),
                             echo_workers=not args.quiet)
-    except (LaunchError, ChaosSpecError, PolicyError, ValueError) as exc:
+    except (LaunchError, ChaosSpecError, PolicyError, JobSpecError, ValueError) as exc:
         print(f"resilient-train launch: error: {exc}", file=sys.stderr)
         return EXIT_USAGE
+    for note in notes:
+        print(f"job spec: {note}", flush=True)
     print(f"job {options.job_name}: directory {options.job_dir}", flush=True)
     try:
         status = launcher.run()
@@ -148,35 +161,75 @@ def _launch(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     return status
 
 
-def _options(args: argparse.Namespace, command: tuple[str, ...]) -> LaunchOptions:
+def _options(args: argparse.Namespace, command: tuple[str, ...],
+             spec: JobSpec | None = None) -> tuple[LaunchOptions, list[str]]:
+    """The launch options, and the notes to print about what the job spec decided.
+
+    An option given on the command line beats the job spec, which beats the default; a
+    command after -- replaces the spec's."""
+    notes: list[str] = []
+    if spec is not None:
+        notes += spec.notes_for("fields")
+    if not command:
+        if spec is None or spec.command is None:
+            raise JobSpecError(
+                f"job spec {args.job_spec}: workerPoolSpecs[0] has no command: locally no image "
+                f"is run, so its ENTRYPOINT is unknown; add command: [python, train.py] (and "
+                f"args) to the pool's containerSpec, or give the command after --")
+        command = spec.command
+        notes += spec.notes_for("command")
     if args.workers is not None and args.pool:
         raise LaunchError("give either --workers or --pool, not both")
     if args.pool:
         pools = tuple(args.pool)
         if len({p for p, _ in pools}) != len(pools):
             raise LaunchError("each --pool may be given once")
+    elif args.workers is None and spec is not None:
+        pools = spec.pools
     else:
         workers = 1 if args.workers is None else args.workers
         if workers < 1:
             raise LaunchError(f"--workers must be at least 1, found {workers}")
         pools = (("workerpool0", 1),) + ((("workerpool1", workers - 1),) if workers > 1 else ())
-    name = args.name or f"rt-{time.strftime('%Y%m%d-%H%M%S')}-{secrets.token_hex(2)}"
+    name = args.name or _job_name(spec.display_name if spec is not None else None)
     memory = args.memory_limit
     if args.machine_type:
         if memory is not None:
             raise LaunchError("give either --memory-limit or --machine-type, not both")
         memory = memory_limit_for(args.machine_type)
-    strategy = Strategy(args.strategy)
+    elif memory is None and spec is not None:
+        memory = spec.memory_limit
+        notes += spec.notes_for("memory")
+    gpus = args.gpus_per_worker
+    if gpus is None:
+        gpus = _spec_gpus(spec, sum(n for _, n in pools), notes) if spec is not None else 0
+    strategy = Strategy(args.strategy) if args.strategy else (
+        spec.strategy if spec is not None and spec.strategy is not None else Strategy.STANDARD)
+    disable_retries = _given(args.disable_retries,
+                             spec.disable_retries if spec is not None else None, False)
+    restart_job = _given(args.restart_job_on_worker_restart,
+                         spec.restart_job_on_worker_restart if spec is not None else None, False)
+    timeout = _given(args.timeout, spec.timeout if spec is not None else None, _DEFAULT_TIMEOUT)
+    max_wait = _given(args.max_wait, spec.max_wait if spec is not None else None,
+                      _DEFAULT_MAX_WAIT)
+    output_dir = args.output_dir
+    env = dict(os.environ)
+    if spec is not None:
+        if output_dir is None and spec.output_dir is not None:
+            output_dir = spec.output_dir
+            notes += spec.notes_for("output")
+        env.update(spec.env)
+        notes += spec.notes_for("env")
     policy = load_policy(args.policy) if args.policy else default_policy(strategy)
-    if args.disable_retries:
+    if disable_retries:
         policy = without_retries(policy)
     return LaunchOptions(
         command=command,
         job_dir=args.job_dir or Path("rt-jobs") / name,
         job_name=name,
         pools=pools,
-        output_dir=args.output_dir,
-        gpus_per_worker=args.gpus_per_worker,
+        output_dir=output_dir,
+        gpus_per_worker=gpus,
         cpu_slots=args.cpu_slots,
         memory_limit=memory,
         start_jitter=args.start_jitter,
@@ -185,13 +238,49 @@ def _options(args: argparse.Namespace, command: tuple[str, ...]) -> LaunchOption
         policy=policy,
         strategy=strategy,
         # The platform: disable_retries overrides restart_job_on_worker_restart to false.
-        restart_job_on_worker_restart=args.restart_job_on_worker_restart and not args.disable_retries,
-        timeout=args.timeout,
-        max_wait=args.max_wait,
+        restart_job_on_worker_restart=restart_job and not disable_retries,
+        timeout=None if timeout == 0 else timeout,
+        max_wait=None if max_wait == 0 else max_wait,
         region=args.region,
         seed=args.seed,
-        env=dict(os.environ),
-    )
+        env=env,
+    ), notes
+
+
+def _given(explicit: Any, from_spec: Any, default: Any) -> Any:
+    """The command line's value, else the spec's, else the default."""
+    if explicit is not None:
+        return explicit
+    return from_spec if from_spec is not None else default
+
+
+def _job_name(display_name: str | None) -> str:
+    prefix = "rt"
+    if display_name:
+        prefix = re.sub(r"[^A-Za-z0-9._-]+", "-", display_name).strip("-.") or "rt"
+    return f"{prefix}-{time.strftime('%Y%m%d-%H%M%S')}-{secrets.token_hex(2)}"
+
+
+def _spec_gpus(spec: JobSpec, replicas: int, notes: list[str]) -> int:
+    """GPUs per replica from the spec's acceleratorCount: only where this machine has GPUs
+    (a spec written for the platform still runs on a laptop); where it has too few the
+    job is a stockout, as on the platform."""
+    wanted = spec.gpus_per_worker
+    notes += spec.notes_for("gpus")
+    if not wanted:
+        return 0
+    available = len(detect_gpus(os.environ))
+    what = f"{wanted} x {spec.accelerator_type} per replica"
+    if available == 0:
+        notes.append(f"the spec asks for {what}; this machine has no GPUs, so the replicas "
+                     f"run without (pass --gpus-per-worker {wanted} to get the platform's "
+                     f"stockout instead)")
+        return 0
+    if wanted * replicas > available:
+        notes.append(f"the spec asks for {what}, {wanted * replicas} in all; this machine has "
+                     f"{available}: the job is a stockout, as on the platform (pass "
+                     f"--gpus-per-worker K to fit, 0 for none)")
+    return wanted
 
 
 def _status(args: argparse.Namespace) -> int:

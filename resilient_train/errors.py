@@ -67,25 +67,57 @@ def is_platform_transient(returncode: int) -> bool:
     return exit_code_for(returncode) in PLATFORM_TRANSIENT_EXIT_CODES
 
 
-_TORCH_TRANSIENT = frozenset({"DistNetworkError", "DistStoreError"})
+# torch.distributed's network, store and backend (NCCL) errors: a peer or the store went
+# away. By name, so this module never imports torch.
+_TORCH_TRANSIENT = frozenset({"DistNetworkError", "DistStoreError", "DistBackendError"})
+
+# What gloo, NCCL and the TCPStore say (often as a plain RuntimeError) when a peer of the
+# process group died or restarted. Lower case.
+PEER_LOST_MESSAGES = (
+    "connection closed by peer", "connection reset by peer", "broken pipe",
+    "connection refused", "failed to recv", "failed to send", "timed out waiting",
+    "communicator was aborted", "process group was aborted", "nccl error", "socket timeout",
+)
 
 
-def classify_exception(exc: BaseException) -> Classification:
+def _is_oom(exc: BaseException) -> bool:
+    # By name, so torch.OutOfMemoryError (CUDA, MPS, XPU) is recognised without torch.
+    return isinstance(exc, MemoryError) or any(
+        cls.__name__ == "OutOfMemoryError" for cls in type(exc).__mro__)
+
+
+def _classify_one(exc: BaseException) -> Classification | None:
     if isinstance(exc, TransientError):
         return Classification.TRANSIENT
     if isinstance(exc, PermanentError):
         return Classification.PERMANENT
-    # By name, so torch.cuda.OutOfMemoryError is recognised without importing torch.
-    if isinstance(exc, MemoryError) or any(
-        cls.__name__ == "OutOfMemoryError" for cls in type(exc).__mro__
-    ):
+    if _is_oom(exc):
         return Classification.OOM
-    if isinstance(exc, (ConnectionError, TimeoutError)):
+    if isinstance(exc, (ConnectionError, TimeoutError)) or any(
+            cls.__name__ in _TORCH_TRANSIENT for cls in type(exc).__mro__):
         return Classification.TRANSIENT
-    # torch.distributed's network and store errors (a peer or the store went away), by name
-    # for the same reason as above.
-    if any(cls.__name__ in _TORCH_TRANSIENT for cls in type(exc).__mro__):
+    if isinstance(exc, RuntimeError) and any(p in str(exc).lower() for p in PEER_LOST_MESSAGES):
         return Classification.TRANSIENT
+    return None
+
+
+def classify_exception(exc: BaseException) -> Classification:
+    """Transient (rerun from the checkpoint), permanent (a bug, bad config) or OOM.
+
+    Our own TransientError / PermanentError decide; then out of memory; then the failures
+    a rerun fixes: network and timeout errors, torch.distributed's errors, and a collective
+    that failed because a peer went away. An exception raised ``from`` another one is
+    judged by the first in its ``__cause__`` chain that says something. Anything else is a
+    bug: permanent, so the job fails at once instead of crash-looping.
+    """
+    seen: set[int] = set()
+    e: BaseException | None = exc
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        verdict = _classify_one(e)
+        if verdict is not None:
+            return verdict
+        e = e.__cause__  # not __context__: a bug raised while handling a network error is a bug
     return Classification.PERMANENT
 
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 import functools
 import logging
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, TypeVar
 
 from .errors import record
@@ -33,6 +33,9 @@ class MainOptions:
     checkpoint: Any = None              # CheckpointOptions
     distributed: Any = None             # DistributedOptions
     final_save: bool = True             # save the last step when the loop ends
+    # SIGTERM (maintenance, preemption): an emergency save at the next step boundary, then
+    # exit 134. Overrides the checkpoint options' own save_on_sigterm.
+    save_on_sigterm: bool = True
 
 
 class Context:
@@ -45,7 +48,8 @@ class Context:
         self.options = options
         self.checkpoints = CheckpointManager(
             options.checkpoint_dir,
-            options=options.checkpoint or CheckpointOptions(save_on_sigterm=True))
+            options=replace(options.checkpoint or CheckpointOptions(),
+                            save_on_sigterm=options.save_on_sigterm))
         self.step = 0                    # steps done (the restored step before the loop)
         self.restored_step: int | None = None
 

@@ -131,6 +131,37 @@ def test_torch_network_and_store_errors_are_transient() -> None:
     assert classify_exception(RuntimeError("shapes differ")) is Classification.PERMANENT
 
 
+def test_collective_failures_from_a_lost_peer_are_transient() -> None:
+    torch = pytest.importorskip("torch")
+    dist = torch.distributed
+    # What gloo raises (a plain RuntimeError) when the peer at the other end died.
+    gloo = RuntimeError("[../third_party/gloo/gloo/transport/tcp/pair.cc:534] "
+                        "Connection closed by peer [127.0.0.1]:41123")
+    assert classify_exception(gloo) is Classification.TRANSIENT
+    nccl = dist.DistBackendError("NCCL error in: ProcessGroupNCCL.cpp:1970, remote process exited")
+    assert classify_exception(nccl) is Classification.TRANSIENT
+    # A ValueError mentioning a connection is still a bug: only RuntimeErrors are read.
+    assert classify_exception(ValueError("connection reset by peer")) is Classification.PERMANENT
+
+
+def test_an_explicit_cause_decides_but_an_error_while_handling_does_not() -> None:
+    try:
+        try:
+            raise ConnectionResetError("peer gone")
+        except ConnectionResetError as exc:
+            raise RuntimeError("the training step failed") from exc
+    except RuntimeError as wrapped:
+        assert classify_exception(wrapped) is Classification.TRANSIENT
+    try:
+        try:
+            raise ConnectionResetError("peer gone")
+        except ConnectionResetError:
+            raise KeyError("a bug in the handler")  # noqa: B904 - the point of the test
+    except KeyError as bug:
+        assert bug.__context__ is not None
+        assert classify_exception(bug) is Classification.PERMANENT
+
+
 def test_exit_code_for_classification() -> None:
     assert exit_code_for_classification(Classification.TRANSIENT) == EXIT_TRANSIENT
     assert exit_code_for_classification("permanent") == EXIT_PERMANENT

@@ -239,6 +239,8 @@ def test_environment_of_a_three_replica_job(e2e: E2E) -> None:
             assert os.path.isabs(env[var])  # a worker that changes directory still finds it
         assert env["TORCHELASTIC_RESTART_COUNT"] == env["RESILIENT_TRAIN_RESTART_COUNT"] == "0"
         assert env["E2E_MARKER"] == e2e.marker  # the user's environment passes through
+        # Three replicas share this machine's cores: each gets its share of threads.
+        assert env["OMP_NUM_THREADS"] == str(max(1, len(os.sched_getaffinity(0)) // 3))
     gpus = [envs[n]["CUDA_VISIBLE_DEVICES"] for n in names]
     assert sorted(gpus) == ["0", "1", "2"]  # one fake GPU each, disjoint
 
@@ -273,6 +275,7 @@ def test_environment_of_explicit_pools_with_gs_output(e2e: E2E) -> None:
 def test_environment_of_a_single_replica_job(e2e: E2E) -> None:
     e2e.monkeypatch.setenv("RESILIENT_TRAIN_GPUS", "4")
     e2e.monkeypatch.chdir(e2e.tmp)   # and a relative --job-dir
+    e2e.monkeypatch.setenv("OMP_NUM_THREADS", "7")   # the user's choice wins over our share
     code = ("import os, json, sys; sys.path.insert(0, os.environ['E2E_WORKERS']); "
             "os.chdir('/'); import _common; _common.mark('env', env=dict(os.environ))")
     status = cli.main(["launch", "--job-dir", "jobs/rel", "--gpus-per-worker", "4", "--", PY,
@@ -291,6 +294,7 @@ def test_environment_of_a_single_replica_job(e2e: E2E) -> None:
         "workerpool0": [f"127.0.0.1:{rec['job_spec']['master_port']}"]}
     assert (env["RANK"], env["WORLD_SIZE"]) == ("0", "1")
     assert env["CUDA_VISIBLE_DEVICES"] == "0,1,2,3"
+    assert env["OMP_NUM_THREADS"] == "7"
 
 
 @pytest.fixture(autouse=True)
@@ -379,6 +383,21 @@ def test_a_bug_fails_the_job_at_once_with_the_traceback(e2e: E2E) -> None:
     assert rec["attempts"][0]["result"] == "failed: 8-user-code-error"
 
 
+def test_an_accelerator_oom_fails_the_job_as_out_of_memory(e2e: E2E) -> None:
+    # The worker's report says "oom" (torch.OutOfMemoryError): the job fails at once with
+    # the platform's OOM message, and the traceback says which device and how much.
+    status, rec, _ = e2e.launch("--workers", "2", script="cuda_oom.py",
+                                script_args=("workerpool1-0",))
+    assert (status, rec["state"]) == (137, "JOB_STATE_FAILED")
+    first, *excerpt = rec["error"]["message"].splitlines()
+    assert first == ("The replica workerpool1-0 ran out of memory and exited with a non-zero "
+                     "status of 1.")
+    assert excerpt[-1].startswith("torch.OutOfMemoryError: CUDA out of memory. Tried to "
+                                  "allocate 20.00 GiB")
+    assert len(rec["attempts"]) == 1
+    assert replica(rec, "workerpool1-0")["restarts"] == 0
+
+
 def test_exit_134_retries_the_job_three_times_then_fails(e2e: E2E) -> None:
     status, rec, _ = e2e.launch(script="exit_code.py", script_args=("134",))
     assert (status, rec["state"]) == (134, "JOB_STATE_FAILED")
@@ -413,6 +432,17 @@ def test_a_command_that_cannot_start_is_a_start_error(e2e: E2E, kind: str) -> No
                    f"Termination reason: StartError.\ncannot start {command!r}: {reason}"}
     assert len(rec["attempts"]) == 1
     assert f"cannot start {command!r}" in out
+
+
+def test_a_job_wide_fault_during_a_retry_hits_the_next_attempt(e2e: E2E) -> None:
+    # The stockout is due while attempt 1 is still being stopped (its workers ignore SIGTERM
+    # for the whole grace period): it must hit attempt 2, not vanish.
+    e2e.primary_waits_for("workerpool0-0.a3.*.ready")
+    status, rec, _ = e2e.launch("--grace", "1.5s", "--chaos", "internal@0.5s,stockout@1s",
+                                script="ignore_term.py")
+    assert (status, rec["state"]) == (0, "JOB_STATE_SUCCEEDED")
+    assert [a["result"] for a in rec["attempts"]] == [
+        "retry: 6-internal-error", "retry: 5-stockout", "succeeded"]
 
 
 def test_maintenance_restarts_the_worker_without_counting(e2e: E2E) -> None:

@@ -28,7 +28,7 @@ from dataclasses import dataclass, replace
 from typing import Any, Literal, TypeVar
 
 from ..cluster import ClusterInfo
-from ..errors import exit_transient
+from ..errors import PEER_LOST_MESSAGES, exit_transient
 from .errors import DistributedConfigError, PeerRestartedError, RendezvousTimeoutError
 from .hang import HangWatchdog
 from .rendezvous import Rendezvous
@@ -38,13 +38,6 @@ logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
 OnPeerRestart = Literal["recover", "exit"]
-
-# What a collective says when the peer at the other end is gone (gloo, NCCL, the store).
-_PEER_LOST = (
-    "connection closed by peer", "connection reset by peer", "broken pipe",
-    "connection refused", "failed to recv", "failed to send", "timed out waiting",
-    "communicator was aborted", "process group was aborted", "nccl error", "socket timeout",
-)
 
 
 @dataclass(frozen=True)
@@ -120,7 +113,7 @@ def is_peer_failure(exc: BaseException) -> bool:
         if isinstance(e, dist.DistNetworkError):
             return True
         text = str(e).lower()
-        if any(p in text for p in _PEER_LOST):
+        if any(p in text for p in PEER_LOST_MESSAGES):
             return True
         e = e.__cause__ or e.__context__
     return False

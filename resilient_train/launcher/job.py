@@ -252,6 +252,11 @@ class JobMachine:
         outcome = Outcome(replica, replica == self.config.replicas[0], cause, exit_code)
         return self._decide(outcome, now, excerpt)
 
+    @property
+    def stopping(self) -> bool:
+        """The workers are being stopped for a decision already taken (retry, end)."""
+        return self._after_stop is not None
+
     def job_fault(self, cause: Cause, now: float) -> list[Command]:
         """An attempt-wide fault (stockout, internal error) while workers run."""
         if self.state not in (JobState.PENDING, JobState.RUNNING) or self._after_stop:
@@ -365,7 +370,7 @@ class JobMachine:
         code = outcome.exit_code if outcome.exit_code is not None else 1
         replica = outcome.replica or self.config.replicas[0]
         if outcome.cause is Cause.OOM:
-            return oom_error(replica, code)
+            return oom_error(replica, code, excerpt)
         if outcome.cause is Cause.STOCKOUT or (
                 outcome.cause is Cause.PREEMPTION and self.config.strategy is Strategy.SPOT):
             # A Spot preemption surfaces as a stockout (PLATFORM.md section 2).

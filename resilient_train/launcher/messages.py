@@ -69,12 +69,12 @@ def infrastructure_error(replica: str, exit_code: int, reason: str) -> JobError:
     )
 
 
-def oom_error(replica: str, exit_code: int) -> JobError:
-    return JobError(
-        CODE_INVALID_ARGUMENT,
-        f"The replica {replica} ran out of memory and exited with a non-zero status of {exit_code}.",
-        STATUS_OOM,
-    )
+def oom_error(replica: str, exit_code: int, excerpt: str | None = None) -> JobError:
+    message = (f"The replica {replica} ran out of memory and exited with a non-zero status "
+               f"of {exit_code}.")
+    if excerpt:  # an accelerator OOM: the worker's traceback says which device and how much
+        message += "\n" + excerpt
+    return JobError(CODE_INVALID_ARGUMENT, message, STATUS_OOM)
 
 
 def stockout_error(region: str) -> JobError:

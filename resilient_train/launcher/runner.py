@@ -109,6 +109,7 @@ class _Worker:
         self.tail: collections.deque[str] = collections.deque(maxlen=40)
         self.mem_tree: list[psutil.Process] = []   # whose RSS counts; refreshed now and then
         self.mem_tree_at = float("-inf")
+        self.reported_oom = False   # set by finish() from the error report
         self._log = log_file
         self._reader = threading.Thread(target=self._pump, args=(echo,), daemon=True,
                                         name=f"log-{replica.name}")
@@ -153,6 +154,9 @@ class _Worker:
         self._reader.join(timeout=5)
         self._log.close()
         report = read_error_report(self.report)
+        # The worker's own verdict: an accelerator OOM (torch.OutOfMemoryError) exits 1,
+        # but the job must fail as out of memory, as a host OOM does.
+        self.reported_oom = report is not None and report.classification == "oom"
         if report is not None and (report.traceback or report.message):
             return report.excerpt() or report.message
         lines = list(self.tail)
@@ -523,7 +527,7 @@ class Launcher:
             del self.workers[name]
             excerpt = w.finish(self._sweep)
             code = exit_code_for(rc)
-            cause = w.cause or Cause.EXIT
+            cause = w.cause or (Cause.OOM if w.reported_oom and code != 0 else Cause.EXIT)
             self._execute(self.machine.worker_exited(name, code, cause, now, excerpt=excerpt))
 
     # --- capacity ---------------------------------------------------------------------
@@ -580,7 +584,8 @@ class Launcher:
     def _inject(self, fault: ScheduledFault, now: float) -> bool:
         cause = _FAULT_CAUSE[fault.kind]
         if fault.kind.job_wide:
-            if self.machine.state is not JobState.RUNNING:
+            # Not while the attempt is being stopped for a retry: the fault would be lost.
+            if self.machine.state is not JobState.RUNNING or self.machine.stopping:
                 return False
             self.note(f"chaos: {fault.kind.value} (whole job) at {now - self.machine.create_time:.1f} s")
             self._execute(self.machine.job_fault(cause, now))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -104,4 +105,17 @@ def worker_env(job: JobEnv, replica: Replica, *, attempt: int, restart: int,
     if sys.platform.startswith("linux"):
         # Every replica is on this host: keep gloo on loopback unless the user chose.
         env.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    # On the platform each replica has its VM's cores; here they share this machine's.
+    # Without a share each process starts one thread per core, and N replicas thrash
+    # (we measured a 2-worker CPU job 6x slower). torchrun sets 1 for the same reason.
+    env.setdefault("OMP_NUM_THREADS", str(cpu_share(len(job.replicas))))
     return env
+
+
+def cpu_share(replicas: int) -> int:
+    """This machine's usable cores divided among the job's replicas, at least 1."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # macOS
+        cores = os.cpu_count() or 1
+    return max(1, cores // max(1, replicas))

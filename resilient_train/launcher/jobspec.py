@@ -1,0 +1,533 @@
+"""A Vertex AI CustomJob spec, as ``gcloud ai custom-jobs create --config`` reads it, read
+into the launcher's options.
+
+Pure: ``parse_job_spec`` turns the decoded document into a frozen ``JobSpec``; nothing
+here starts processes or probes GPUs. ``cli.py`` merges it with the command line, where
+options given explicitly win.
+
+Accepted documents: a bare ``CustomJobSpec`` (``workerPoolSpecs`` at the top, what gcloud's
+``--config`` takes) or a whole ``CustomJob`` (``jobSpec:`` at the top, as the REST API
+takes and ``gcloud ai custom-jobs describe`` prints). Field names are the API's camelCase
+JSON names; like gcloud, a name with an underscore is an error. A field the API does not
+have, or a value of the wrong type, is a ``JobSpecError`` naming the field's path and the
+fix, so a spec that runs here is also one the platform accepts (as far as we can tell
+from its documented schema).
+"""
+
+from __future__ import annotations
+
+import difflib
+import json
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import MappingProxyType
+from typing import Any
+
+from .policy import Strategy
+from .resources import MACHINE_TYPES, memory_limit_for
+
+__all__ = ["JobSpec", "JobSpecError", "load_job_spec", "parse_job_spec"]
+
+MAX_POOLS = 4  # workerpool0 primary, 1 workers, 2 parameter/reduction servers, 3 evaluators
+
+# --- the schema (Vertex AI v1 REST names) ----------------------------------------------
+# Per message: the fields the launcher uses, and those it accepts but cannot reproduce on
+# one machine (they are listed in a note, never silently dropped).
+_CUSTOM_JOB_USED = {"jobSpec", "displayName"}
+_CUSTOM_JOB_IGNORED = {  # output-only fields too: `describe` output can be fed back in
+    "name", "labels", "encryptionSpec", "state", "createTime", "startTime", "endTime",
+    "updateTime", "error", "webAccessUris", "satisfiesPzs", "satisfiesPzi",
+}
+_SPEC_USED = {"workerPoolSpecs", "scheduling", "baseOutputDirectory"}
+_SPEC_IGNORED = {
+    "serviceAccount", "network", "reservedIpRanges", "tensorboard", "enableWebAccess",
+    "enableDashboardAccess", "experiment", "experimentRun", "models", "persistentResourceId",
+    "protectedArtifactLocationId", "pscInterfaceConfig",
+}
+_POOL_USED = {"replicaCount", "machineSpec", "containerSpec", "pythonPackageSpec"}
+_POOL_IGNORED = {"diskSpec", "nfsMounts", "lustreMounts"}
+_MACHINE_USED = {"machineType", "acceleratorType", "acceleratorCount"}
+_MACHINE_IGNORED = {"tpuTopology", "reservationAffinity", "gpuPartitionSize",
+                    "multihostGpuNodeCount"}
+_CONTAINER_USED = {"imageUri", "command", "args", "env"}
+_PYTHON_PACKAGE_USED = {"executorImageUri", "packageUris", "pythonModule", "args", "env"}
+_SCHEDULING_USED = {"timeout", "restartJobOnWorkerRestart", "strategy", "disableRetries",
+                    "maxWaitDuration"}
+_GCS_DESTINATION_USED = {"outputUriPrefix"}
+_ENV_VAR_USED = {"name", "value"}
+
+_STRATEGIES = {
+    "STRATEGY_UNSPECIFIED": Strategy.STANDARD,
+    "STANDARD": Strategy.STANDARD,
+    "ON_DEMAND": Strategy.STANDARD,   # deprecated name of STANDARD
+    "SPOT": Strategy.SPOT,
+    "LOW_COST": Strategy.SPOT,        # deprecated: "may use spot resources"
+    "FLEX_START": Strategy.FLEX_START,
+}
+# google.protobuf.Duration in JSON: seconds with up to 9 fractional digits and an "s".
+_DURATION_RE = re.compile(r"^(\d+)(\.\d{1,9})?s$")
+_INT_RE = re.compile(r"^-?\d+$")   # proto3 JSON writes int64 (replicaCount) as a string
+_ACCELERATOR_RE = re.compile(r"^[A-Z][A-Z0-9_]*$")
+_ENV_NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_.-]*$")
+
+
+class JobSpecError(ValueError):
+    """The job spec is malformed; the message names the field path and the fix."""
+
+
+@dataclass(frozen=True)
+class JobSpec:
+    """What a CustomJob spec sets. ``None`` means the spec does not say (keep the
+    launcher's default); ``notes`` are lines for the user, keyed by the option they
+    concern (``command``, ``env``, ``gpus``, ``memory``, ``output``, ``fields``), so the
+    CLI prints only those whose option the spec actually decided."""
+
+    pools: tuple[tuple[str, int], ...]
+    command: tuple[str, ...] | None          # pool 0's command + args; None: image's ENTRYPOINT
+    env: Mapping[str, str] = field(default_factory=lambda: MappingProxyType({}))
+    machine_type: str | None = None          # pool 0's
+    memory_limit: int | None = None          # from machine_type; None: not in the table
+    gpus_per_worker: int = 0                 # pool 0's acceleratorCount
+    accelerator_type: str | None = None
+    output_dir: str | None = None            # baseOutputDirectory.outputUriPrefix
+    timeout: float | None = None             # seconds
+    max_wait: float | None = None            # seconds; 0 = wait forever
+    strategy: Strategy | None = None
+    restart_job_on_worker_restart: bool | None = None
+    disable_retries: bool | None = None
+    display_name: str | None = None
+    notes: tuple[tuple[str, str], ...] = ()
+
+    def notes_for(self, *topics: str) -> list[str]:
+        return [text for topic, text in self.notes if topic in topics]
+
+
+# --- loading ----------------------------------------------------------------------------
+
+
+def load_job_spec(path: str | Path) -> JobSpec:
+    """Read ``path`` (YAML, or JSON when it ends in .json) and parse it."""
+    path = Path(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else exc
+        raise JobSpecError(f"job spec {path}: cannot read it: {reason}") from None
+    if path.suffix.lower() == ".json":
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise JobSpecError(
+                f"job spec {path}: not valid JSON: {exc.msg} at line {exc.lineno} "
+                f"column {exc.colno}") from None
+    else:
+        import yaml  # only when a YAML spec is read
+
+        try:
+            data = yaml.safe_load(text)
+        except yaml.YAMLError as exc:
+            where = ""
+            mark = getattr(exc, "problem_mark", None)
+            if mark is not None:
+                where = f" at line {mark.line + 1} column {mark.column + 1}"
+            problem = getattr(exc, "problem", None) or str(exc)
+            raise JobSpecError(f"job spec {path}: not valid YAML: {problem}{where}") from None
+    try:
+        return parse_job_spec(data)
+    except JobSpecError as exc:
+        raise JobSpecError(f"job spec {path}: {exc}") from None
+
+
+# --- parsing ----------------------------------------------------------------------------
+
+
+def parse_job_spec(data: Any) -> JobSpec:
+    """A ``JobSpec`` from a decoded CustomJob or CustomJobSpec document."""
+    if data is None:
+        raise JobSpecError("the file is empty; expected a CustomJobSpec with workerPoolSpecs")
+    if not isinstance(data, Mapping):
+        raise JobSpecError(
+            f"expected a mapping at the top (workerPoolSpecs: ..., or jobSpec: ...), found "
+            f"{_kind(data)}")
+    p = _Parser()
+    display_name: str | None = None
+    if "jobSpec" in data:                       # a whole CustomJob
+        job = p.obj(data, "", _CUSTOM_JOB_USED, _CUSTOM_JOB_IGNORED, report_ignored=False)
+        if "displayName" in job:
+            display_name = p.string(job["displayName"], "displayName")
+        spec = p.obj(job["jobSpec"], "jobSpec", _SPEC_USED, _SPEC_IGNORED)
+        prefix = "jobSpec."
+    else:
+        spec = p.obj(data, "", _SPEC_USED, _SPEC_IGNORED)
+        prefix = ""
+    return p.spec(spec, prefix, display_name)
+
+
+@dataclass
+class _Pool:
+    index: int
+    replicas: int
+    command: tuple[str, ...] | None
+    image: str
+    env: dict[str, str]
+    machine_type: str
+    accelerator_type: str | None
+    accelerator_count: int
+
+
+class _Parser:
+    def __init__(self) -> None:
+        self.ignored: list[str] = []
+        self.notes: list[tuple[str, str]] = []
+
+    # --- the messages ---
+
+    def spec(self, spec: Mapping[str, Any], prefix: str, display_name: str | None) -> JobSpec:
+        wps = f"{prefix}workerPoolSpecs"
+        if "workerPoolSpecs" not in spec:
+            raise JobSpecError(
+                f"{wps}: missing; a CustomJobSpec needs workerPoolSpecs, a list with the "
+                f"primary's pool first (a whole CustomJob puts it under jobSpec:)")
+        raw_pools = spec["workerPoolSpecs"]
+        if not isinstance(raw_pools, list) or not raw_pools:
+            raise JobSpecError(
+                f"{wps}: expected a non-empty list of worker pools (one '- ' item per pool, "
+                f"the primary's first), found {_kind(raw_pools)}")
+        if len(raw_pools) > MAX_POOLS:
+            raise JobSpecError(
+                f"{wps}: at most {MAX_POOLS} worker pools (primary, workers, servers, "
+                f"evaluators), found {len(raw_pools)}")
+        pools = [self.pool(raw, i, f"{wps}[{i}]") for i, raw in enumerate(raw_pools)]
+        present = [pool for pool in pools if pool is not None]
+        primary = pools[0]
+        if primary is None:
+            raise JobSpecError(
+                f"{wps}[0]: the primary's pool cannot be empty; only the pools after it may "
+                f"be {{}}")
+        self._pool_differences(primary, present, wps)
+
+        out: dict[str, Any] = {}
+        if "scheduling" in spec:
+            out.update(self.scheduling(spec["scheduling"], f"{prefix}scheduling"))
+        if "baseOutputDirectory" in spec:
+            out["output_dir"] = self.output(spec["baseOutputDirectory"],
+                                            f"{prefix}baseOutputDirectory")
+        memory = None
+        if primary.machine_type in MACHINE_TYPES:
+            memory = memory_limit_for(primary.machine_type)
+        else:
+            self.notes.append(("memory", (
+                f"machine type {primary.machine_type} is not in the launcher's table: no "
+                f"memory limit (pass --memory-limit SIZE to set one)")))
+        self.notes.append(("fields", (
+            f"the image {primary.image} is not run locally: the pools' commands run on this "
+            f"machine, in this environment")))
+        if self.ignored:
+            self.notes.append(("fields", "not reproduced locally, ignored: "
+                               + ", ".join(self.ignored)))
+        return JobSpec(
+            pools=tuple((f"workerpool{pool.index}", pool.replicas) for pool in present),
+            command=primary.command,
+            env=MappingProxyType(dict(primary.env)),
+            machine_type=primary.machine_type,
+            memory_limit=memory,
+            gpus_per_worker=primary.accelerator_count,
+            accelerator_type=primary.accelerator_type,
+            display_name=display_name,
+            notes=tuple(self.notes),
+            **out,
+        )
+
+    def pool(self, raw: Any, index: int, path: str) -> _Pool | None:
+        if raw is None or (isinstance(raw, Mapping) and not raw):
+            return None      # an empty pool: the platform skips it, and so do we
+        pool = self.obj(raw, path, _POOL_USED, _POOL_IGNORED)
+        if "replicaCount" not in pool:
+            raise JobSpecError(
+                f"{path}.replicaCount: missing; give the number of replicas "
+                f"({'the primary pool has exactly 1' if index == 0 else 'at least 1'}), or "
+                f"write the whole pool as {{}} to leave it out")
+        replicas = self.integer(pool["replicaCount"], f"{path}.replicaCount", "replicaCount: 2")
+        if index == 0 and replicas != 1:
+            raise JobSpecError(
+                f"{path}.replicaCount: the primary pool must have exactly 1 replica, found "
+                f"{replicas}; put the other replicas in workerPoolSpecs[1]")
+        if replicas < 1:
+            raise JobSpecError(
+                f"{path}.replicaCount: must be at least 1, found {replicas}; to leave the pool "
+                f"out write it as {{}}")
+        if "machineSpec" not in pool:
+            raise JobSpecError(
+                f"{path}.machineSpec: missing; every pool needs one, e.g. machineSpec: "
+                f"{{machineType: n1-standard-8}}")
+        machine = self.obj(pool["machineSpec"], f"{path}.machineSpec", _MACHINE_USED,
+                           _MACHINE_IGNORED)
+        mpath = f"{path}.machineSpec"
+        if "machineType" not in machine:
+            raise JobSpecError(f"{mpath}.machineType: missing; e.g. machineType: n1-standard-8")
+        machine_type = self.string(machine["machineType"], f"{mpath}.machineType")
+        acc_type = None
+        if "acceleratorType" in machine:
+            acc_type = self.string(machine["acceleratorType"], f"{mpath}.acceleratorType")
+            if not _ACCELERATOR_RE.match(acc_type):
+                raise JobSpecError(
+                    f"{mpath}.acceleratorType: expected an accelerator name like NVIDIA_L4 or "
+                    f"NVIDIA_TESLA_T4 (upper case, as the API writes it), found {_show(acc_type)}")
+        count = 0
+        if "acceleratorCount" in machine:
+            count = self.integer(machine["acceleratorCount"], f"{mpath}.acceleratorCount",
+                                 "acceleratorCount: 1")
+            if count < 0:
+                raise JobSpecError(f"{mpath}.acceleratorCount: must be 0 or more, found {count}")
+        if count and acc_type is None:
+            raise JobSpecError(
+                f"{mpath}.acceleratorType: missing; acceleratorCount {count} needs the "
+                f"accelerator's type, e.g. acceleratorType: NVIDIA_L4")
+        self._check_machine_gpus(machine_type, acc_type, count, mpath)
+
+        has_container = "containerSpec" in pool
+        has_package = "pythonPackageSpec" in pool
+        if has_container == has_package:
+            raise JobSpecError(
+                f"{path}: give exactly one of containerSpec (a custom container) and "
+                f"pythonPackageSpec (a Python package on a prebuilt image), found "
+                f"{'both' if has_container else 'neither'}")
+        if has_container:
+            command, image, env = self.container(pool["containerSpec"], f"{path}.containerSpec")
+        else:
+            command, image, env = self.python_package(pool["pythonPackageSpec"],
+                                                      f"{path}.pythonPackageSpec")
+        return _Pool(index, replicas, command, image, env, machine_type, acc_type, count)
+
+    def container(self, raw: Any, path: str) -> tuple[tuple[str, ...] | None, str, dict[str, str]]:
+        spec = self.obj(raw, path, _CONTAINER_USED, set())
+        if "imageUri" not in spec:
+            raise JobSpecError(
+                f"{path}.imageUri: missing; the platform needs the image to run, e.g. "
+                f"imageUri: us-docker.pkg.dev/PROJECT/REPO/IMAGE:TAG (locally it is not used)")
+        image = self.string(spec["imageUri"], f"{path}.imageUri")
+        command = self.strings(spec["command"], f"{path}.command") if "command" in spec else None
+        args = self.strings(spec["args"], f"{path}.args") if "args" in spec else ()
+        env = self.env(spec["env"], f"{path}.env") if "env" in spec else {}
+        if command is None and args:
+            # The image's ENTRYPOINT with these args: unknown here, so no local command.
+            self.notes.append(("command", (
+                f"{path} has args but no command: on the platform they go to the image's "
+                f"ENTRYPOINT, which the launcher cannot see")))
+        return (None if command is None else command + args), image, env
+
+    def python_package(self, raw: Any,
+                       path: str) -> tuple[tuple[str, ...] | None, str, dict[str, str]]:
+        spec = self.obj(raw, path, _PYTHON_PACKAGE_USED, set())
+        for name, example in (("executorImageUri", "IMAGE (a prebuilt training image)"),
+                              ("packageUris", "[gs://BUCKET/trainer-0.1.tar.gz]"),
+                              ("pythonModule", "trainer.task")):
+            if name not in spec:
+                raise JobSpecError(f"{path}.{name}: missing; e.g. {name}: {example}")
+        image = self.string(spec["executorImageUri"], f"{path}.executorImageUri")
+        packages = self.strings(spec["packageUris"], f"{path}.packageUris")
+        module = self.string(spec["pythonModule"], f"{path}.pythonModule")
+        args = self.strings(spec["args"], f"{path}.args") if "args" in spec else ()
+        env = self.env(spec["env"], f"{path}.env") if "env" in spec else {}
+        self.notes.append(("command", (
+            f"{path}: runs python -m {module} here; its packageUris "
+            f"({', '.join(packages)}) are not installed locally: install the package in "
+            f"this environment first")))
+        return ("python", "-m", module, *args), image, env
+
+    def env(self, raw: Any, path: str) -> dict[str, str]:
+        if not isinstance(raw, list):
+            raise JobSpecError(
+                f"{path}: expected a list of {{name: NAME, value: VALUE}} items, found "
+                f"{_kind(raw)}")
+        env: dict[str, str] = {}
+        for i, item in enumerate(raw):
+            ipath = f"{path}[{i}]"
+            var = self.obj(item, ipath, _ENV_VAR_USED, set())
+            if "name" not in var:
+                raise JobSpecError(f"{ipath}.name: missing; each item is {{name: NAME, value: VALUE}}")
+            name = self.string(var["name"], f"{ipath}.name")
+            if not _ENV_NAME_RE.match(name):
+                raise JobSpecError(
+                    f"{ipath}.name: not a valid variable name: {_show(name)}; use letters, "
+                    f"digits and _, not starting with a digit")
+            value = self.string(var["value"], f"{ipath}.value") if "value" in var else ""
+            if "$(" in value:
+                self.notes.append(("env", (
+                    f"{ipath}.value: $(VAR) references are expanded by the platform, not by "
+                    f"the launcher: {name} gets {_show(value)} as written")))
+            env[name] = value
+        return env
+
+    def scheduling(self, raw: Any, path: str) -> dict[str, Any]:
+        spec = self.obj(raw, path, _SCHEDULING_USED, set())
+        out: dict[str, Any] = {}
+        if "timeout" in spec:
+            timeout = self.duration(spec["timeout"], f"{path}.timeout")
+            if timeout <= 0:
+                raise JobSpecError(
+                    f"{path}.timeout: must be positive, found {_show(spec['timeout'])}; leave it "
+                    f"out for the platform's default of 7 days (604800s)")
+            out["timeout"] = timeout
+        if "maxWaitDuration" in spec:
+            out["max_wait"] = self.duration(spec["maxWaitDuration"], f"{path}.maxWaitDuration")
+        if "strategy" in spec:
+            value = spec["strategy"]
+            if not isinstance(value, str) or value not in _STRATEGIES:
+                raise JobSpecError(
+                    f"{path}.strategy: expected one of STANDARD, SPOT, FLEX_START (upper case, "
+                    f"as the API writes it), found {_show(value)}")
+            out["strategy"] = _STRATEGIES[value]
+        for key, name in (("restartJobOnWorkerRestart", "restart_job_on_worker_restart"),
+                          ("disableRetries", "disable_retries")):
+            if key in spec:
+                value = spec[key]
+                if not isinstance(value, bool):
+                    raise JobSpecError(
+                        f"{path}.{key}: expected true or false, found {_show(value)}")
+                out[name] = value
+        return out
+
+    def output(self, raw: Any, path: str) -> str:
+        spec = self.obj(raw, path, _GCS_DESTINATION_USED, set())
+        if "outputUriPrefix" not in spec:
+            raise JobSpecError(f"{path}.outputUriPrefix: missing; e.g. outputUriPrefix: "
+                               f"gs://BUCKET/charlm")
+        uri = self.string(spec["outputUriPrefix"], f"{path}.outputUriPrefix")
+        if not uri.startswith("gs://") or len(uri) <= len("gs://"):
+            raise JobSpecError(
+                f"{path}.outputUriPrefix: the platform takes only a Cloud Storage URI "
+                f"(gs://BUCKET/PREFIX), found {_show(uri)}; to write elsewhere locally, pass "
+                f"--output-dir DIR on the command line")
+        self.notes.append(("output", (
+            f"outputs and checkpoints go to {uri} (AIP_CHECKPOINT_DIR={uri.rstrip('/')}"
+            f"/checkpoints/), which needs Cloud Storage credentials here; pass --output-dir "
+            f"DIR to keep this run local")))
+        return uri
+
+    # --- cross-pool and machine checks ---
+
+    def _check_machine_gpus(self, machine_type: str, acc_type: str | None, count: int,
+                            path: str) -> None:
+        machine = MACHINE_TYPES.get(machine_type)
+        if machine is None or not machine.gpus:
+            return
+        # Accelerator-optimized shapes (A2, A3, G2) come with their GPUs attached: the spec
+        # must name exactly those.
+        if count != machine.gpus or acc_type != machine.accelerator:
+            raise JobSpecError(
+                f"{path}: machine type {machine_type} comes with {machine.gpus} "
+                f"{machine.accelerator}; set acceleratorType: {machine.accelerator} and "
+                f"acceleratorCount: {machine.gpus} (found {acc_type or 'no type'} x {count})")
+
+    def _pool_differences(self, primary: _Pool, pools: Sequence[_Pool], wps: str) -> None:
+        # The launcher runs one command, with one environment, GPU count and memory limit,
+        # for every replica: it takes the primary's and says what that changes.
+        for pool in pools[1:]:
+            where = f"{wps}[{pool.index}]"
+            if pool.command != primary.command:
+                theirs = " ".join(pool.command) if pool.command else "the image's ENTRYPOINT"
+                ours = " ".join(primary.command) if primary.command else "the command after --"
+                self.notes.append(("command", (
+                    f"{where} runs {theirs} on the platform; the launcher runs one command for "
+                    f"every replica: workerpool{pool.index}'s replicas run {ours} here")))
+            if pool.env != primary.env:
+                self.notes.append(("env", (
+                    f"{where}'s env differs from workerpool0's; the launcher gives "
+                    f"every replica workerpool0's")))
+            if pool.accelerator_count != primary.accelerator_count:
+                self.notes.append(("gpus", (
+                    f"{where} has {pool.accelerator_count} accelerators per replica, "
+                    f"workerpool0 {primary.accelerator_count}; the launcher gives every "
+                    f"replica workerpool0's count")))
+            if pool.machine_type != primary.machine_type:
+                self.notes.append(("memory", (
+                    f"{where} runs on {pool.machine_type}, workerpool0 on "
+                    f"{primary.machine_type}; the memory limit of every replica is "
+                    f"workerpool0's")))
+
+    # --- value types ---
+
+    def obj(self, raw: Any, path: str, used: set[str], ignored: set[str], *,
+            report_ignored: bool = True) -> Mapping[str, Any]:
+        if not isinstance(raw, Mapping):
+            raise JobSpecError(f"{path or 'the top'}: expected a mapping, found {_kind(raw)}")
+        known = used | ignored
+        for key in raw:
+            kpath = f"{path}.{key}" if path else str(key)
+            if not isinstance(key, str):
+                raise JobSpecError(f"{kpath}: field names are strings, found {_show(key)}")
+            if key in known:
+                if key in ignored and report_ignored:
+                    self.ignored.append(kpath)
+                continue
+            raise JobSpecError(f"{kpath}: unknown field; {_suggest(key, known)}")
+        return raw
+
+    def integer(self, value: Any, path: str, example: str) -> int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        if isinstance(value, str) and _INT_RE.match(value.strip()):
+            return int(value)
+        raise JobSpecError(f"{path}: expected an integer, found {_show(value)}; write e.g. "
+                           f"{example}")
+
+    def string(self, value: Any, path: str) -> str:
+        if isinstance(value, str) and value:
+            return value
+        if isinstance(value, str):
+            raise JobSpecError(f"{path}: must not be empty")
+        fix = f'; quote it: "{value}"' if isinstance(value, (int, float)) else ""
+        raise JobSpecError(f"{path}: expected a string, found {_show(value)}{fix}")
+
+    def strings(self, value: Any, path: str) -> tuple[str, ...]:
+        if not isinstance(value, list):
+            example = ""
+            if isinstance(value, str):
+                example = f"; write one item per argument, e.g. [{', '.join(value.split())}]"
+            raise JobSpecError(f"{path}: expected a list of strings, found {_kind(value)}"
+                               f"{example}")
+        out = []
+        for i, item in enumerate(value):
+            if not isinstance(item, str):
+                fix = (f'; quote it: "{item}"' if isinstance(item, (int, float))
+                       and not isinstance(item, bool) else "")
+                raise JobSpecError(f"{path}[{i}]: expected a string, found {_show(item)}{fix}")
+            out.append(item)
+        return tuple(out)
+
+    def duration(self, value: Any, path: str) -> float:
+        if isinstance(value, str):
+            match = _DURATION_RE.match(value.strip())
+            if match:
+                return float(match.group(1) + (match.group(2) or ""))
+        raise JobSpecError(
+            f"{path}: expected a duration in seconds with an s, as the API writes it (e.g. "
+            f"\"3600s\" or \"1.5s\"), found {_show(value)}")
+
+
+def _suggest(key: str, known: set[str]) -> str:
+    if "_" in key:
+        camel = re.sub(r"_([a-z0-9])", lambda m: m.group(1).upper(), key)
+        if camel in known:
+            return f"the API's names are camelCase (gcloud rejects underscores): write {camel}"
+    close = difflib.get_close_matches(key, sorted(known), n=1, cutoff=0.6)
+    hint = f"did you mean {close[0]}? " if close else ""
+    return f"{hint}known fields here: {', '.join(sorted(known))}"
+
+
+def _kind(value: Any) -> str:
+    if isinstance(value, Mapping):
+        return "a mapping"
+    if isinstance(value, list):
+        return "a list" if value else "an empty list"
+    return _show(value)
+
+
+def _show(value: Any) -> str:
+    try:
+        return json.dumps(value, ensure_ascii=False)
+    except (TypeError, ValueError):
+        return repr(value)
