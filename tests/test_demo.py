@@ -1,6 +1,7 @@
 """The README's main job, exactly as the README writes it: the demo trains under the
 launcher, a worker is killed 8 s in, the survivor re-forms the group in-process and the job
-succeeds without a retry. (Bitwise-exact recovery under many faults: test_flagship.py.)"""
+succeeds without a retry. Then the demo's other ways out: a hung worker, and workers that
+exit instead of recovering in-process. (Bitwise-exact recovery: test_flagship.py.)"""
 
 from __future__ import annotations
 
@@ -52,3 +53,50 @@ def test_the_readme_main_job_recovers_from_a_killed_worker(tmp_path: Path) -> No
     finally:
         import shutil
         shutil.rmtree(job_dir, ignore_errors=True)
+
+
+def launch_demo(tmp: Path, *launcher_args: str, script_args: tuple[str, ...] = (),
+                env: dict[str, str] | None = None) -> tuple[dict, str, Path]:
+    job_dir = tmp / "job"
+    proc = subprocess.run(
+        [sys.executable, "-m", "resilient_train.cli", "launch", "--workers", "2",
+         "--job-dir", str(job_dir), *launcher_args, "--",
+         sys.executable, str(ROOT / "examples" / "train_demo.py"),
+         "--steps", "60", "--step-time", "0.05", *script_args],
+        env=dict(os.environ, RESILIENT_TRAIN_QUOTA_DIR=str(tmp / "quota"),
+                 RESILIENT_TRAIN_FORM_TIMEOUT_S="15", **(env or {})),
+        cwd=tmp, capture_output=True, text=True, timeout=300)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-3000:]
+    job = json.loads((job_dir / "job.json").read_text())
+    assert job["state"] == "JOB_STATE_SUCCEEDED"
+    assert "finished 60 steps" in out
+    return job, out, job_dir
+
+
+@pytest.mark.slow
+def test_on_peer_restart_exit_makes_every_worker_exit_transient(tmp_path: Path) -> None:
+    # For users who prefer a clean process restart to in-process recovery.
+    job, _, _ = launch_demo(tmp_path, "--chaos", "kill:workerpool1-0@5s",
+                            env={"RESILIENT_TRAIN_ON_PEER_RESTART": "exit"})
+    first = job["attempts"][0]["replicas"]
+    assert 134 in first["workerpool0-0"]["exit_codes"], first   # the survivor left transient
+    assert len(job["attempts"]) == 2                              # so the job was retried
+
+
+@pytest.mark.slow
+def test_a_hung_worker_is_detected_and_the_job_recovers(tmp_path: Path) -> None:
+    job, out, job_dir = launch_demo(tmp_path, script_args=(
+        "--hang-timeout", "4", "--hang-at-step", "25"))
+    assert 134 in job["attempts"][0]["replicas"]["workerpool1-0"]["exit_codes"]
+    assert len(job["attempts"]) == 2
+    reports = sorted((job_dir / "reports" / "attempt-1").glob("workerpool1-0.*.json"))
+    assert reports
+    report = json.loads(reports[0].read_text())["resilient_train"]
+    assert report["message"].startswith("hang: no training step finished for")
+    assert report["classification"] == "transient"
+    # Every thread's stack, the hung one inside the user's step.
+    assert 'Thread "MainThread"' in report["traceback"]
+    assert "train_demo.py" in report["traceback"]
+    assert "time.sleep(10_000)" in report["traceback"]
+    assert "resumed from step 20" in out   # the last checkpoint before the hang

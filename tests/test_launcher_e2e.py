@@ -457,6 +457,24 @@ def test_maintenance_restarts_the_worker_without_counting(e2e: E2E) -> None:
     assert "workerpool1-0: restart_worker (7-maintenance)" in event_messages(rec)
 
 
+def test_sigterm_goes_to_the_main_process_only_so_a_dataloader_survives_it(e2e: E2E) -> None:
+    # As the platform signals the container's PID 1: had the DataLoader's worker processes
+    # been terminated too, the loop would fail mid-step (exit 1) instead of leaving cleanly.
+    e2e.primary_waits_for("workerpool1-0.a1.r1.ready")
+    status, rec, _ = e2e.launch("--workers", "2", "--chaos", "maintenance:workerpool1-0@6s/5s",
+                                script="loader_on_sigterm.py")
+    assert (status, rec["state"]) == (0, "JOB_STATE_SUCCEEDED")
+    fault = next(e for e in rec["events"] if e["kind"] == "fault")
+    iterating = e2e.read("workerpool1-0.a1.r0.iterating")["time"]
+    assert iterating < _epoch(fault["time"])   # the batches flowed when SIGTERM came
+    assert replica(rec, "workerpool1-0")["exit_codes"][0] == 134
+
+
+def _epoch(iso: str) -> float:
+    import datetime
+    return datetime.datetime.fromisoformat(iso.replace("Z", "+00:00")).timestamp()
+
+
 def test_real_allocation_over_the_memory_limit_is_oom(e2e: E2E) -> None:
     status, rec, _ = e2e.launch("--memory-limit", "200MiB", script="alloc.py",
                                 script_args=("512",))

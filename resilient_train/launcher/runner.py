@@ -126,6 +126,16 @@ class _Worker:
             echo(prefix + line)
         self.popen.stdout.close()
 
+    def terminate(self) -> None:
+        """SIGTERM to the worker's main process only, as the platform sends it to the
+        container's PID 1. Its children (DataLoader workers, torchrun's processes) are its
+        business: a DataLoader whose workers were terminated behind its back raises in the
+        middle of a step instead of letting the emergency checkpoint happen."""
+        try:
+            os.kill(self.popen.pid, signal.SIGTERM)
+        except (ProcessLookupError, PermissionError):
+            pass
+
     def signal(self, sig: int) -> None:
         """Signal the worker's whole process group and anything that left the group."""
         try:
@@ -515,7 +525,7 @@ class Launcher:
             if cause is not None:
                 w.cause = cause
             w.snapshot_tree()
-            w.signal(signal.SIGTERM)
+            w.terminate()
             deadline = now + grace
             w.kill_at = deadline if w.kill_at is None else min(w.kill_at, deadline)
 
@@ -598,7 +608,7 @@ class Launcher:
         w.snapshot_tree()
         if fault.kind.has_grace:
             grace = fault.grace if fault.grace is not None else self.options.grace
-            w.signal(signal.SIGTERM)
+            w.terminate()
             w.kill_at = now + grace
         else:
             w.signal(signal.SIGKILL)
