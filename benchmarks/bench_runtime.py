@@ -1,5 +1,6 @@
 """Per-step overhead of ``ctx.steps()`` (restore, save policy check, watchdog feed, peer
-check) against a bare ``range`` loop, single process, no save due.
+check) against a bare ``range`` loop, single process, no save due; and the same with the
+launcher's goodput telemetry on (a store into a shared memory map per step).
 
     python benchmarks/bench_runtime.py [--steps N]
 
@@ -17,6 +18,8 @@ import time
 from pathlib import Path
 
 import resilient_train as rt
+from resilient_train import runtime
+from resilient_train.telemetry import TELEMETRY_ENV
 
 RESULTS = Path(__file__).parent / "results" / "runtime.json"
 
@@ -28,8 +31,9 @@ def main() -> None:
     args = p.parse_args()
     for var in ("RANK", "WORLD_SIZE", "CLUSTER_SPEC", "TF_CONFIG"):
         os.environ.pop(var, None)
-    out: dict[str, list[float]] = {"bare": [], "ctx.steps": []}
+    out: dict[str, list[float]] = {"bare": [], "ctx.steps": [], "ctx.steps+telemetry": []}
     with tempfile.TemporaryDirectory() as tmp:
+        phase = ["ctx.steps"]
 
         @rt.main(options=rt.MainOptions(checkpoint_dir=tmp, final_save=False,
                                         checkpoint=rt.CheckpointOptions(
@@ -45,21 +49,33 @@ def main() -> None:
                 t0 = time.perf_counter()
                 for _ in ctx.steps(args.steps):
                     pass
-                out["ctx.steps"].append((time.perf_counter() - t0) / args.steps)
+                out[phase[0]].append((time.perf_counter() - t0) / args.steps)
                 ctx.checkpoints.last_saved_step = None
 
+        os.environ.pop(TELEMETRY_ENV, None)
         loop()
-    bare = sorted(out["bare"])[len(out["bare"]) // 2]
-    ours = sorted(out["ctx.steps"])[len(out["ctx.steps"]) // 2]
+        # As under the launcher: the process-wide telemetry is created on first use.
+        os.environ[TELEMETRY_ENV] = os.path.join(tmp, "telemetry", "bench")
+        runtime._TELEMETRY.clear()
+        phase[0] = "ctx.steps+telemetry"
+        out["bare"].clear()
+        loop()
+    def median(xs: list[float]) -> float:
+        return sorted(xs)[len(xs) // 2]
+
+    bare, ours = median(out["bare"]), median(out["ctx.steps"])
+    tele = median(out["ctx.steps+telemetry"])
     result = {"benchmark": "runtime", "time": time.time(), "steps": args.steps,
               "repeats": args.repeats, "python": sys.version.split()[0],
               "bare_us_per_step": bare * 1e6, "ctx_steps_us_per_step": ours * 1e6,
-              "overhead_us_per_step": (ours - bare) * 1e6, "target_us": 5.0,
+              "overhead_us_per_step": (ours - bare) * 1e6,
+              "telemetry_overhead_us_per_step": (tele - bare) * 1e6, "target_us": 5.0,
               "samples": out}
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
     RESULTS.write_text(json.dumps(result, indent=1))
     print(f"bare loop {bare * 1e6:.3f} us/step; ctx.steps {ours * 1e6:.3f} us/step; "
-          f"overhead {(ours - bare) * 1e6:.3f} us/step (target < 5 us, hang watchdog on)")
+          f"overhead {(ours - bare) * 1e6:.3f} us/step (target < 5 us, hang watchdog on); "
+          f"with the launcher's telemetry {(tele - bare) * 1e6:.3f} us/step")
 
 
 if __name__ == "__main__":

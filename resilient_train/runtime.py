@@ -18,8 +18,17 @@ from dataclasses import dataclass, replace
 from typing import Any, TypeVar
 
 from .errors import record
+from .telemetry import Telemetry
 
 log = logging.getLogger(__name__)
+
+_TELEMETRY: list[Telemetry | None] = []   # one per process, shared by its lives
+
+
+def _telemetry() -> Telemetry | None:
+    if not _TELEMETRY:
+        _TELEMETRY.append(Telemetry.from_env())
+    return _TELEMETRY[0]
 
 R = TypeVar("R")
 
@@ -86,11 +95,21 @@ class Context:
         self.step = start
         if start:
             log.info("resuming after step %d", start)
-        mgr, group = self.checkpoints, self.group
+        mgr, group, tele = self.checkpoints, self.group, _telemetry()
+        if tele is None:
+            for step in range(start, total):
+                yield step
+                self.step = done = step + 1
+                mgr.maybe_save(done)
+                group.step_done(done)
+            return
+        tele.begin_segment(start)   # the launcher's goodput accounting (telemetry.py)
         for step in range(start, total):
             yield step
             self.step = done = step + 1
-            mgr.maybe_save(done)
+            tele.step(done)        # first: an emergency save on SIGTERM exits inside maybe_save
+            if mgr.maybe_save(done):
+                tele.saved(done, mgr.last_blocking_s)
             group.step_done(done)
 
     def _finish(self) -> None:
@@ -122,8 +141,13 @@ def main(fn: Callable[..., R] | None = None, *,
             from .distributed.group import init_distributed
 
             group = init_distributed(opts.distributed)
-            with group:
-                return group.run(_life, func, group, opts, args, kwargs)
+            try:
+                with group:
+                    return group.run(_life, func, group, opts, args, kwargs)
+            finally:
+                tele = _telemetry()
+                if tele is not None:
+                    tele.close()
 
         return wrapper
 

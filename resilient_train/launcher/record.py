@@ -48,3 +48,15 @@ def log_path(job_dir: Path, attempt: int, replica: str) -> Path:
 
 def report_path(job_dir: Path, attempt: int, replica: str, restart: int) -> Path:
     return job_dir / "reports" / f"attempt-{attempt}" / f"{replica}.restart-{restart}.json"
+
+
+def telemetry_prefix(job_dir: Path, attempt: int, replica: str, restart: int) -> Path:
+    """Where one worker life reports its training progress (telemetry.py)."""
+    return job_dir / "telemetry" / f"attempt-{attempt}" / f"{replica}.restart-{restart}"
+
+
+def telemetry_prefixes(job_dir: Path, replica: str) -> list[Path]:
+    """Every life of ``replica`` that reported, in no particular order."""
+    found = {p.with_suffix("") for p in (job_dir / "telemetry").glob(f"attempt-*/{replica}.restart-*.*")
+             if p.suffix in (".progress", ".jsonl")}
+    return sorted(found)

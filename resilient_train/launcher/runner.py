@@ -28,6 +28,8 @@ from typing import IO, Any
 import psutil
 
 from ..errors import exit_code_for, read_error_report
+from ..goodput import account
+from ..telemetry import TELEMETRY_ENV, read_life
 from ..ports import free_port
 from .chaos import ChaosSchedule, ChaosSpec, FaultKind, ScheduledFault
 from .job import (
@@ -42,7 +44,8 @@ from .job import (
 from .messages import STATUS_INTERNAL, JobState
 from .policy import Cause, Policy, Strategy
 from .quota import Capacity, Lease, LocalQuota, Request, default_quota_dir
-from .record import JOB_FILE, log_path, report_path, write_json_atomic
+from .record import (JOB_FILE, log_path, report_path, telemetry_prefix, telemetry_prefixes,
+                     write_json_atomic)
 from .resources import detect_gpus, process_tree
 from .workerenv import LAUNCH_ID_ENV, JobEnv, Replica, replicas_for, worker_env
 
@@ -346,10 +349,22 @@ class Launcher:
             "master_port": self.env.master_port,
         }
         rec["job_dir"] = str(self.job_dir)
+        if self.machine.state.terminal:
+            rec["goodput"] = self._goodput()
         # Lets `status` tell a live job from the record of a launcher that was killed.
         rec["launcher"] = {"pid": os.getpid(), "host": socket.gethostname(),
                            "started": self._launcher_started}
         return rec
+
+    def _goodput(self) -> dict[str, Any] | None:
+        """The primary's training segments over every life, split into goodput buckets;
+        None when the job never ran or its script does not report (no @rt.main)."""
+        start, end = self.machine.start_time, self.machine.end_time
+        if start is None or end is None:
+            return None
+        segments = [seg for prefix in telemetry_prefixes(self.job_dir, self.replicas[0].name)
+                    for seg in read_life(prefix).segments]
+        return account(segments, start, end).to_json() if segments else None
 
     def note(self, message: str) -> None:
         self.machine.note(self.clock(), message)
@@ -481,6 +496,8 @@ class Launcher:
         report.unlink(missing_ok=True)
         env = worker_env(self.env, replica, attempt=cmd.attempt, restart=cmd.restart,
                          error_file=str(report), gpu_ids=gpu_ids, base=o.env)
+        env[TELEMETRY_ENV] = str(telemetry_prefix(self.job_dir, cmd.attempt, replica.name,
+                                                  cmd.restart))
         logfile = log_path(self.job_dir, cmd.attempt, replica.name)
         logfile.parent.mkdir(parents=True, exist_ok=True)
         out = open(logfile, "ab")

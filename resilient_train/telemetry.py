@@ -1,0 +1,181 @@
+"""What a worker tells the launcher about its training, for goodput accounting.
+
+The launcher sets ``RESILIENT_TRAIN_TELEMETRY`` to a path prefix per worker life. The
+worker writes two files there:
+
+- ``PREFIX.progress``: one fixed-size record in a shared memory map, rewritten after every
+  step (the segment's first and last step and their times). A store into a mapped page is
+  a few hundred nanoseconds, no system call, and the page outlives the process: after a
+  SIGKILL the launcher still reads the exact last step;
+- ``PREFIX.jsonl``: rare events, one JSON object per line: a training *segment* closed (at
+  an in-process recovery), a save and its blocking time, a commit.
+
+A segment is one stretch of training: it starts after a restore (``first_step`` = the step
+restored, 0 for a fresh start) and ends when the process dies or the group re-forms.
+No torch import: the launcher reads these files too.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import mmap
+import os
+import struct
+import threading
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+TELEMETRY_ENV = "RESILIENT_TRAIN_TELEMETRY"
+
+# magic, first_step, last_step, t_start, t_first, t_last, blocking_s (time in epoch seconds)
+_RECORD = struct.Struct("<4sqqdddd")
+_MAGIC = b"RTP1"
+_EMPTY = -1
+
+
+@dataclass(frozen=True)
+class Segment:
+    """One stretch of training in one process."""
+
+    first_step: int        # the step restored from (steps done before the segment)
+    last_step: int         # steps done when it ended (== first_step when no step finished)
+    t_start: float         # training began (after the restore)
+    t_first: float | None  # the first step finished
+    t_last: float | None   # the last step finished
+    blocking_s: float      # the loop was blocked by saves this long
+
+    @property
+    def steps(self) -> int:
+        return self.last_step - self.first_step
+
+
+class Telemetry:
+    """The worker's side. ``Telemetry.from_env()`` is a no-op object when not launched."""
+
+    def __init__(self, prefix: str | os.PathLike[str]) -> None:
+        self.prefix = Path(prefix)
+        self.prefix.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(f"{self.prefix}.progress", os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
+        try:
+            os.ftruncate(fd, _RECORD.size)
+            self._map: mmap.mmap | None = mmap.mmap(fd, _RECORD.size)
+        finally:
+            os.close(fd)
+        self._events = open(f"{self.prefix}.jsonl", "a", encoding="utf-8")  # noqa: SIM115
+        self._lock = threading.Lock()   # the checkpoint writer thread reports commits
+        self._seg: list[Any] | None = None
+
+    @classmethod
+    def from_env(cls) -> Telemetry | None:
+        prefix = os.environ.get(TELEMETRY_ENV)
+        if not prefix:
+            return None
+        try:
+            return cls(prefix)
+        except OSError as exc:  # accounting must never stop training
+            log.warning("telemetry disabled: cannot write %s: %s", prefix, exc)
+            return None
+
+    # --- the training loop's calls ----------------------------------------------------
+
+    def begin_segment(self, restored_step: int) -> None:
+        """Training (re)starts after restoring ``restored_step``: close the previous segment."""
+        self._close_segment()
+        now = time.time()
+        self._seg = [restored_step, restored_step, now, None, None, 0.0]
+        self._store()
+
+    def step(self, done: int) -> None:
+        """``done`` steps are finished. The hot path: one pack into the mapped page."""
+        seg = self._seg
+        if seg is None or self._map is None:
+            return
+        now = time.time()
+        if seg[3] is None:
+            seg[3] = now
+        seg[1], seg[4] = done, now
+        _RECORD.pack_into(self._map, 0, _MAGIC, seg[0], done, seg[2], seg[3], now, seg[5])
+
+    def saved(self, step: int, blocking_s: float) -> None:
+        """A save after step ``step`` blocked the loop: the segment now ends after it."""
+        if self._seg is not None:
+            self._seg[5] += blocking_s
+            self._seg[4] = time.time()
+            self._store()
+        self.event("save", step=step, blocking_s=blocking_s)
+
+    def event(self, kind: str, **fields: Any) -> None:
+        line = json.dumps({"kind": kind, "t": time.time(), **fields})
+        with self._lock:
+            if not self._events.closed:
+                self._events.write(line + "\n")
+                self._events.flush()   # rare events: each reaches the file at once
+
+    def close(self) -> None:
+        self._close_segment()
+        with self._lock:
+            self._events.close()
+        if self._map is not None:
+            self._map.close()
+            self._map = None
+
+    # --- internals ----------------------------------------------------------------------
+
+    def _store(self) -> None:
+        seg = self._seg
+        if seg is None or self._map is None:
+            return
+        _RECORD.pack_into(self._map, 0, _MAGIC, seg[0], seg[1], seg[2],
+                          _EMPTY if seg[3] is None else seg[3],
+                          _EMPTY if seg[4] is None else seg[4], seg[5])
+
+    def _close_segment(self) -> None:
+        if self._seg is None:
+            return
+        first, last, t_start, t_first, t_last, blocking = self._seg
+        self.event("segment", **asdict(Segment(first, last, t_start, t_first, t_last, blocking)))
+        self._seg = None
+        if self._map is not None:   # the open segment is now in the log, not the map
+            self._map[:4] = b"\0\0\0\0"
+
+
+# --- the launcher's side ------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class LifeTelemetry:
+    segments: tuple[Segment, ...]
+    saves: tuple[tuple[float, int, float], ...]   # (time, step, blocking_s)
+
+
+def read_life(prefix: str | os.PathLike[str]) -> LifeTelemetry:
+    """The segments and saves one worker life reported; empty when it reported nothing."""
+    segments: list[Segment] = []
+    saves: list[tuple[float, int, float]] = []
+    try:
+        lines = Path(f"{prefix}.jsonl").read_text(encoding="utf-8").splitlines()
+    except FileNotFoundError:
+        lines = []
+    for line in lines:
+        try:
+            rec = json.loads(line)
+        except ValueError:
+            continue   # a line cut by a SIGKILL
+        if rec.get("kind") == "segment":
+            segments.append(Segment(**{k: rec[k] for k in Segment.__dataclass_fields__}))
+        elif rec.get("kind") == "save":
+            saves.append((float(rec["t"]), int(rec["step"]), float(rec["blocking_s"])))
+    try:
+        raw = Path(f"{prefix}.progress").read_bytes()
+    except FileNotFoundError:
+        raw = b""
+    if len(raw) >= _RECORD.size:
+        magic, first, last, t_start, t_first, t_last, blocking = _RECORD.unpack_from(raw)
+        if magic == _MAGIC:   # a segment still open when the process ended
+            segments.append(Segment(first, last, t_start, None if t_first == _EMPTY else t_first,
+                                    None if t_last == _EMPTY else t_last, blocking))
+    return LifeTelemetry(tuple(segments), tuple(saves))

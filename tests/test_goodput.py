@@ -1,0 +1,137 @@
+"""Goodput accounting: the arithmetic on known segments, the telemetry channel across a
+SIGKILL, and a synthetic job under the launcher checked against its own per-step oracle."""
+
+from __future__ import annotations
+
+import datetime
+import itertools
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from resilient_train.goodput import account
+from resilient_train.telemetry import Segment, Telemetry, read_life
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_buckets_of_known_segments_add_up_to_the_wall_time() -> None:
+    # Start at 0. Segment 1 trains steps 1..30 in [10, 40] with 1 s of saves, dies at 40.
+    # Segment 2 restores step 20 at 50 and trains 21..60 in [50, 90] with 2 s of saves.
+    segs = [Segment(0, 30, 10.0, 11.0, 40.0, 1.0), Segment(20, 60, 50.0, 51.0, 90.0, 2.0)]
+    g = account(segs, start_time=0.0, end_time=95.0)
+    assert g.wall_s == 95.0
+    assert g.startup_s == 10.0
+    assert g.checkpoint_s == 3.0
+    per_step_1 = (30.0 - 1.0) / 30               # steps 21..30 were computed again
+    assert g.lost_s == pytest.approx(10 * per_step_1)
+    assert g.productive_s == pytest.approx((29.0 - 10 * per_step_1) + 38.0)
+    assert g.recovery_s == 10.0                   # from 40 to 50
+    assert g.other_s == 5.0
+    assert (g.steps, g.steps_lost, g.recoveries) == (60, 10, 1)
+    total = g.startup_s + g.productive_s + g.lost_s + g.checkpoint_s + g.recovery_s + g.other_s
+    assert total == pytest.approx(g.wall_s)
+
+
+def test_a_restore_further_back_than_the_previous_one_counts_both_losses() -> None:
+    # The checkpoint of segment 2 was corrupt: segment 3 goes back to step 10.
+    segs = [Segment(0, 20, 0.0, 1.0, 20.0, 0.0), Segment(15, 30, 25.0, 26.0, 40.0, 0.0),
+            Segment(10, 40, 45.0, 46.0, 75.0, 0.0)]
+    g = account(segs, 0.0, 75.0)
+    assert g.steps_lost == 10 + 15                # 11..20 of segment 1, 16..30 of segment 2
+    assert g.steps == 40
+
+
+def test_an_empty_job_is_all_startup() -> None:
+    g = account([], 5.0, 9.0)
+    assert (g.wall_s, g.startup_s, g.goodput) == (4.0, 4.0, 0.0)
+
+
+CHILD = """
+import sys, time
+from resilient_train.telemetry import Telemetry
+t = Telemetry(sys.argv[1])
+t.begin_segment(7)
+for done in range(8, 8 + int(sys.argv[2])):
+    t.step(done)
+t.saved(12, 0.25)
+t.begin_segment(10)          # an in-process recovery: segment 1 goes to the log
+for done in range(11, 16):
+    t.step(done)
+print("ready", flush=True)
+time.sleep(60)
+"""
+
+
+def test_the_last_step_survives_a_sigkill(tmp_path: Path) -> None:
+    prefix = tmp_path / "telemetry" / "workerpool0-0.restart-0"
+    p = subprocess.Popen([sys.executable, "-c", CHILD, str(prefix), "20"],
+                         stdout=subprocess.PIPE, text=True)
+    assert p.stdout is not None and p.stdout.readline().strip() == "ready"
+    p.send_signal(signal.SIGKILL)
+    p.wait()
+    life = read_life(prefix)
+    first, second = life.segments
+    assert (first.first_step, first.last_step, first.blocking_s) == (7, 27, 0.25)
+    assert (second.first_step, second.last_step) == (10, 15)   # from the map, after the kill
+    assert second.t_first is not None and second.t_last is not None
+    assert second.t_start <= second.t_first <= second.t_last
+    assert [s[1:] for s in life.saves] == [(12, 0.25)]
+
+
+def test_without_the_launcher_there_is_no_telemetry(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("RESILIENT_TRAIN_TELEMETRY", raising=False)
+    assert Telemetry.from_env() is None
+
+
+def _epoch(iso: str) -> float:
+    return datetime.datetime.fromisoformat(iso.replace("Z", "+00:00")).timestamp()
+
+
+def oracle_buckets(lines: list[tuple[int, float, float]], start: float, end: float
+                   ) -> dict[str, float]:
+    """The truth from the script's own per-step log: each step's last computation is
+    productive, earlier ones are lost; the gap after a save step (10, 20, ...) in an unbroken
+    run is checkpoint time; everything else between steps is recovery."""
+    last = {step: i for i, (step, _, _) in enumerate(lines)}
+    productive = sum(t1 - t0 for i, (s, t0, t1) in enumerate(lines) if last[s] == i)
+    lost = sum(t1 - t0 for i, (s, t0, t1) in enumerate(lines) if last[s] != i)
+    checkpoint = sum(nxt[1] - cur[2] for cur, nxt in itertools.pairwise(lines)
+                     if nxt[0] == cur[0] + 1 and (cur[0] + 1) % 10 == 0)
+    startup = lines[0][1] - start
+    other = end - lines[-1][2]
+    wall = end - start
+    recovery = wall - productive - lost - checkpoint - startup - other
+    return {"productive_s": productive, "lost_s": lost, "checkpoint_s": checkpoint,
+            "startup_s": startup, "other_s": other, "recovery_s": recovery, "wall_s": wall}
+
+
+@pytest.mark.slow
+def test_a_synthetic_job_with_scripted_faults_matches_its_oracle(tmp_path: Path) -> None:
+    oracle = tmp_path / "oracle.jsonl"
+    env = dict(os.environ, RESILIENT_TRAIN_QUOTA_DIR=str(tmp_path / "quota"),
+               ORACLE=str(oracle), STEPS="100", STEP_S="0.1")
+    job_dir = tmp_path / "job"
+    proc = subprocess.run(
+        [sys.executable, "-m", "resilient_train.cli", "launch", "--job-dir", str(job_dir),
+         "--chaos", "kill@4s,preempt@8s/5s,internal@12s", "--",
+         sys.executable, str(ROOT / "tests" / "runtime_workers" / "synthetic_goodput.py")],
+        env=env, cwd=tmp_path, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    job = json.loads((job_dir / "job.json").read_text())
+    assert len([e for e in job["events"] if e["kind"] == "fault"]) == 3
+    lines = [tuple(json.loads(line)) for line in oracle.read_text().splitlines()]
+    truth = oracle_buckets(lines, _epoch(job["start_time"]), _epoch(job["end_time"]))
+    got = job["goodput"]
+    assert got["steps"] == 100 and got["recoveries"] >= 1  # a fault can hit a life still starting
+    for bucket, true_value in truth.items():
+        # 5% of the bucket, plus 50 ms for what the oracle cannot see (loop overhead,
+        # the record's millisecond timestamps).
+        assert abs(got[bucket] - true_value) <= 0.05 * true_value + 0.05, (bucket, got, truth)
+    assert got["lost_s"] > 0.3 and got["recovery_s"] > 1.0   # the faults cost something
+    assert got["goodput"] == pytest.approx(truth["productive_s"] / truth["wall_s"], abs=0.02)
