@@ -31,6 +31,9 @@ from typing import Any
 log = logging.getLogger(__name__)
 
 TELEMETRY_ENV = "RESILIENT_TRAIN_TELEMETRY"
+# Set by the launcher on a worker life started after failures: seconds of running per
+# failure so far in this job (read by the auto checkpoint interval).
+OBSERVED_MTBF_ENV = "RESILIENT_TRAIN_OBSERVED_MTBF_S"
 
 # magic, first_step, last_step, t_start, t_first, t_last, blocking_s (time in epoch seconds)
 _RECORD = struct.Struct("<4sqqdddd")

@@ -327,6 +327,12 @@ def test_kill_chaos_restarts_the_worker_with_rising_restart_count(e2e: E2E) -> N
         restart = path.name.split(".")[2][1:]
         assert env["TORCHELASTIC_RESTART_COUNT"] == env["RESILIENT_TRAIN_RESTART_COUNT"] == restart
         assert (env["RANK"], env["RESILIENT_TRAIN_REPLICA"]) == ("1", "workerpool1-0")
+        # Each life reports its progress to its own telemetry files (goodput accounting),
+        assert env["RESILIENT_TRAIN_TELEMETRY"].endswith(
+            f"telemetry/attempt-1/workerpool1-0.restart-{restart}")
+        # and a life started after failures learns the job's observed MTBF so far.
+        mtbf = env.get("RESILIENT_TRAIN_OBSERVED_MTBF_S")
+        assert (mtbf is None) == (restart == "0") and (mtbf is None or float(mtbf) > 0)
     assert [p.name for p in e2e.files("workerpool0-0.*.env")] == ["workerpool0-0.a1.r0.env"]
     assert "chaos: kill on workerpool1-0" in out
 

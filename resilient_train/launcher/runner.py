@@ -29,7 +29,7 @@ import psutil
 
 from ..errors import exit_code_for, read_error_report
 from ..goodput import account
-from ..telemetry import TELEMETRY_ENV, read_life
+from ..telemetry import OBSERVED_MTBF_ENV, TELEMETRY_ENV, read_life
 from ..ports import free_port
 from .chaos import ChaosSchedule, ChaosSpec, FaultKind, ScheduledFault
 from .job import (
@@ -356,6 +356,16 @@ class Launcher:
                            "started": self._launcher_started}
         return rec
 
+    def _observed_mtbf(self, now: float) -> float | None:
+        """Seconds of running per failure so far in this job (injected faults and non-zero
+        exits of the user's code); None before the first failure."""
+        start = self.machine.start_time
+        failures = sum(1 for e in self.machine.events if e["kind"] == "fault" or (
+            e["kind"] == "exited" and e.get("cause") == "exit" and e.get("exit_code")))
+        if start is None or not failures:
+            return None
+        return max(1.0, now - start) / failures
+
     def _goodput(self) -> dict[str, Any] | None:
         """The primary's training segments over every life, split into goodput buckets;
         None when the job never ran or its script does not report (no @rt.main)."""
@@ -498,6 +508,9 @@ class Launcher:
                          error_file=str(report), gpu_ids=gpu_ids, base=o.env)
         env[TELEMETRY_ENV] = str(telemetry_prefix(self.job_dir, cmd.attempt, replica.name,
                                                   cmd.restart))
+        mtbf = self._observed_mtbf(now=self.clock())
+        if mtbf is not None:   # for CheckpointOptions(policy=auto_interval())
+            env[OBSERVED_MTBF_ENV] = f"{mtbf:.1f}"
         logfile = log_path(self.job_dir, cmd.attempt, replica.name)
         logfile.parent.mkdir(parents=True, exist_ok=True)
         out = open(logfile, "ab")
