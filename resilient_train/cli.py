@@ -21,6 +21,7 @@ from .launcher.policy import PolicyError, Strategy, default_policy, load_policy,
 from .launcher.record import read_job
 from .launcher.resources import detect_gpus, memory_limit_for, parse_memory
 from .launcher.runner import Launcher, LaunchError, LaunchOptions, launcher_alive
+from .report import ReportError, write_report
 
 EXIT_USAGE = 2
 # Defaults of the options a job spec can also set: those options default to None in the
@@ -112,6 +113,12 @@ def _parser() -> argparse.ArgumentParser:
     sp.add_argument("job_dir", type=Path)
     sp.add_argument("--json", action="store_true", help="print job.json as is")
     sp.add_argument("--events", action="store_true", help="also print every event")
+
+    rp = sub.add_parser("report", help="write a job's timeline, goodput and faults as one "
+                        "self-contained HTML page")
+    rp.add_argument("job_dir", type=Path)
+    rp.add_argument("-o", "--output", type=Path, metavar="FILE",
+                    help="where to write it (default JOB_DIR/report.html)")
     return p
 
 
@@ -126,6 +133,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         from .checkpoint_cli import run_checkpoints  # imports torch: only when asked
 
         return run_checkpoints(args)
+    if args.cmd == "report":
+        return _report(args)
     return _status(args)
 
 
@@ -314,6 +323,16 @@ def _status(args: argparse.Namespace) -> int:
     if args.events:
         for e in job.get("events", []):
             print(f"  +{e['elapsed_s']:9.3f}s  {e['message']}")
+    return 0
+
+
+def _report(args: argparse.Namespace) -> int:
+    try:
+        path = write_report(args.job_dir, args.output)
+    except (ReportError, OSError) as exc:
+        print(f"resilient-train report: error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    print(path)
     return 0
 
 
