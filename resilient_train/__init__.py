@@ -27,6 +27,7 @@ _LAZY = {
     "CheckpointOptions": "resilient_train.checkpoint.manager",
     "RetentionPolicy": "resilient_train.checkpoint.retention",
     "every_n_steps": "resilient_train.checkpoint.policy",
+    "auto_interval": "resilient_train.checkpoint.policy",
     "every": "resilient_train.checkpoint.policy",
     "RetryOptions": "resilient_train.checkpoint.storage",
     "main": "resilient_train.runtime",
@@ -48,7 +49,7 @@ __all__ = [
     "EXIT_PERMANENT", "EXIT_TRANSIENT", "ClusterInfo", "ClusterSpecError", "PermanentError",
     "TransientError", "exit_permanent", "exit_transient", "record",
     # loaded on first use (see _LAZY)
-    "CheckpointManager", "CheckpointOptions", "RetentionPolicy", "RetryOptions", "every",
+    "CheckpointManager", "CheckpointOptions", "RetentionPolicy", "RetryOptions", "every", "auto_interval",
     "every_n_steps", "main", "Context", "MainOptions", "ResumableLoader", "ResumableSampler", "init_distributed", "DistributedGroup", "DistributedOptions",
     "is_peer_failure", "BarrierTimeoutError", "PeerRestartedError", "PrimaryUnreachableError",
     "RendezvousTimeoutError",
@@ -56,7 +57,7 @@ __all__ = [
 
 if TYPE_CHECKING:
     from .checkpoint.manager import CheckpointManager, CheckpointOptions
-    from .checkpoint.policy import every, every_n_steps
+    from .checkpoint.policy import auto_interval, every, every_n_steps
     from .checkpoint.retention import RetentionPolicy
     from .checkpoint.storage import RetryOptions
     from .distributed.errors import (

@@ -77,7 +77,8 @@ def default_directory() -> str:
 class CheckpointOptions:
     save_every_steps: int | None = None
     max_interval_s: float = FOUR_HOURS      # the platform: at least once every 4 hours
-    policy: SavePolicy | None = None        # overrides the two above
+    policy: SavePolicy | None = None        # overrides the two above; auto_interval()
+                                            # picks the interval that maximizes goodput
     retention: RetentionPolicy = field(default_factory=RetentionPolicy)
     async_save: bool = True
     retry: RetryOptions = field(default_factory=RetryOptions)
@@ -236,6 +237,11 @@ class CheckpointManager:
         self.last_saved_step: int | None = None
         self.last_commit_step: int | None = None
         self.last_blocking_s = 0.0
+        # What a save costs the training loop (waiting for the previous one, the snapshot,
+        # the write when blocking), an EMA: SaveContext.save_cost_s, for auto_interval.
+        # Multi-rank, the max over ranks as of the last _sync: every rank decides the same.
+        self._save_cost: float | None = None
+        self._shared_save_cost: float | None = None
         # The primary's clock, as in _sync: a max over all ranks' clocks would let one
         # rank's skew (a clock ahead) postpone every time-based save.
         self._shared_now = float(self.coord.broadcast(clock()))
@@ -261,10 +267,12 @@ class CheckpointManager:
         if self.world_size == 1:
             now = self.clock()
             emergency = self._sigterm
+            cost = self._save_cost
         else:
             now, emergency = self._sync(step)
+            cost = self._shared_save_cost
         if emergency or self.policy.should_save(
-                SaveContext(step, now, self.last_saved_step, self._last_save_time)):
+                SaveContext(step, now, self.last_saved_step, self._last_save_time, cost)):
             self.save(step, blocking=emergency)
             if emergency:
                 self._exit_after_emergency(step)
@@ -272,8 +280,9 @@ class CheckpointManager:
         return False
 
     def _sync(self, step: int) -> tuple[float, bool]:
-        """Multi-rank: agree on the clock and on a pending SIGTERM, about once per
-        ``sync_interval_s``, so every rank takes the same decision at the same step."""
+        """Multi-rank: agree on the clock, a pending SIGTERM and the cost of a save (the
+        slowest rank's: it blocks the job), about once per ``sync_interval_s``, so every
+        rank takes the same decision at the same step."""
         now_local = time.monotonic()
         if self._last_step_clock is not None:
             dt = now_local - self._last_step_clock
@@ -283,8 +292,11 @@ class CheckpointManager:
             return self._shared_now, False
         stride = max(1, int(self.options.sync_interval_s / self._step_time)) if self._step_time else 1
         my_now = int(self.clock() * 1000) if self.is_primary else 0
-        now_ms, stride, sigterm = self.coord.allreduce_max([my_now, stride, int(self._sigterm)])
+        my_cost = -1 if self._save_cost is None else int(self._save_cost * 1e6)
+        now_ms, stride, sigterm, cost_us = self.coord.allreduce_max(
+            [my_now, stride, int(self._sigterm), my_cost])
         self._shared_now = now_ms / 1000.0
+        self._shared_save_cost = None if cost_us < 0 else cost_us / 1e6
         self._next_sync_step = step + stride
         return self._shared_now, bool(sigterm)
 
@@ -295,6 +307,7 @@ class CheckpointManager:
         options) say otherwise; one save is in flight at a time."""
         if self._error is not None:
             self._raise_error()
+        t_wait = time.perf_counter()
         self.wait()
         t0 = time.perf_counter()
         tree: dict[str, Any] = {"rank": {"rng": capture_rng(), "values": dict(self.values)}}
@@ -317,6 +330,8 @@ class CheckpointManager:
             self._inflight = self._executor.submit(self._apply_retention)
         else:
             self._inflight = self._executor.submit(self._write_guarded, step, snap)
+        cost = time.perf_counter() - t_wait   # a blocking save: its write too
+        self._save_cost = cost if self._save_cost is None else 0.7 * self._save_cost + 0.3 * cost
 
     def wait(self) -> None:
         """Block until the save in flight is committed; raise its error if it failed."""

@@ -4,14 +4,28 @@
 
 A condition sees the step just finished and the time since the last commit; ``|`` saves
 when either says so, ``&`` when both do.
+
+    auto_interval()                           # the interval that maximizes goodput
+
+``auto_interval`` picks the interval from the measured cost of a save and the mean time
+between failures (Young/Daly); ``simulate.py`` evaluates any policy on a simulated job.
 """
 
 from __future__ import annotations
 
+import logging
+import math
+import os
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
+from ..telemetry import OBSERVED_MTBF_ENV  # set by the launcher from the job's own faults
+
+log = logging.getLogger(__name__)
+
 FOUR_HOURS = 4 * 3600.0
+MTBF_ENV = "RESILIENT_TRAIN_MTBF_S"                    # declared by the user
+PRIOR_MTBF_S = 24 * 3600.0
 
 
 @dataclass(frozen=True)
@@ -20,6 +34,9 @@ class SaveContext:
     now: float                     # seconds, any monotonic-ish clock
     last_save_step: int | None     # step of the last commit (or of the restored checkpoint)
     last_save_time: float          # time of the last commit, or when training (re)started
+    # How long one save blocks the training loop (an average), the same on every rank;
+    # None until a save has been measured.
+    save_cost_s: float | None = None
 
 
 class SavePolicy(ABC):
@@ -87,3 +104,138 @@ def default_save_policy(every_steps: int | None = None, max_interval_s: float = 
     """Every N steps (when given) or at most ``max_interval_s`` after the last commit."""
     timed: SavePolicy = every(max_interval_s)
     return every_n_steps(every_steps) | timed if every_steps else timed
+
+
+# --- auto: the interval that maximizes goodput ------------------------------------------
+
+def daly_interval(cost_s: float, mtbf_s: float) -> float:
+    """The optimum compute time between two saves that each cost ``cost_s``, for failures
+    arriving at rate ``1/mtbf_s`` (a Poisson process).
+
+    J. T. Daly, "A higher order estimate of the optimum checkpoint interval for restart
+    dumps", Future Generation Computer Systems 22(3), 2006, eq. (37):
+    ``tau = sqrt(2 C M) * (1 + sqrt(C / 2M) / 3 + (C / 2M) / 9) - C`` for ``C < 2M``, else
+    ``M``. Its first term is Young's (1974) ``sqrt(2 C M)``. Neither the restart time nor
+    the delay of an async commit (a constant added to every failure's loss) moves it.
+    """
+    if cost_s < 0 or not mtbf_s > 0:
+        raise ValueError(f"daly_interval needs cost >= 0 and MTBF > 0, found {cost_s}, {mtbf_s}")
+    if math.isinf(mtbf_s):
+        return math.inf
+    if cost_s >= 2 * mtbf_s:
+        return mtbf_s
+    x = cost_s / (2 * mtbf_s)
+    return math.sqrt(2 * cost_s * mtbf_s) * (1 + math.sqrt(x) / 3 + x / 9) - cost_s
+
+
+def resolve_mtbf(mtbf_s: float | None = None) -> tuple[float, str]:
+    """The mean time between failures to plan for, and where it came from: the argument,
+    else ``RESILIENT_TRAIN_MTBF_S`` (declared by the user), else
+    ``RESILIENT_TRAIN_OBSERVED_MTBF_S`` (the job's own faults), else a 24-hour prior."""
+    if mtbf_s is not None:
+        if not mtbf_s > 0:
+            raise ValueError(f"auto_interval needs a positive MTBF, found {mtbf_s} s")
+        return float(mtbf_s), "given"
+    for var, source in ((MTBF_ENV, "declared"), (OBSERVED_MTBF_ENV, "observed")):
+        raw = os.environ.get(var, "").strip()
+        if not raw:
+            continue
+        try:
+            value = float(raw)
+        except ValueError:
+            value = math.nan
+        if value > 0:
+            return value, source
+        if source == "declared":
+            raise ValueError(f"{var}={raw!r}: expected a positive number of seconds")
+        log.warning("ignoring %s=%r: expected a positive number of seconds", var, raw)
+    return PRIOR_MTBF_S, f"prior; set {MTBF_ENV} to declare it"
+
+
+def _dur(seconds: float) -> str:
+    if math.isinf(seconds):
+        return "inf"
+    if seconds < 600:
+        return f"{seconds:.3g} s" if seconds < 10 else f"{seconds:.0f} s"
+    if seconds < 7200:
+        return f"{seconds / 60:.1f} min".replace(".0 ", " ")
+    return f"{seconds / 3600:.1f} h".replace(".0 ", " ")
+
+
+class auto_interval(SavePolicy):
+    """Save when the time since the last save reaches the interval that maximizes goodput.
+
+    The interval is Daly's optimum (:func:`daly_interval`) for ``C`` = the time one save
+    blocks the training loop (async saves block only for the snapshot, plus any wait for
+    the previous save; the manager measures it and passes it as ``SaveContext.save_cost_s``)
+    and ``M`` = the mean time between failures (:func:`resolve_mtbf`), bounded to
+    ``[floor_s, ceiling_s]`` (the ceiling is the platform's 4 hours). Before a save has been
+    measured it saves after ``floor_s``: that first save measures the cost. Logs one line
+    (INFO) whenever the interval changes by more than 10 %::
+
+        CheckpointOptions(policy=rt.auto_interval())          # or auto_interval(6 * 3600)
+
+    The interval runs from the last save or from the first step this policy saw, whichever
+    is later: after a restart the restored checkpoint may be older than the interval, but
+    the work at risk starts at the restart, and saving the restored state again at once
+    would only cost a save. The ceiling still runs from the last save.
+    """
+
+    def __init__(self, mtbf_s: float | None = None, *, floor_s: float = 30.0,
+                 ceiling_s: float = FOUR_HOURS) -> None:
+        if not 0 < floor_s <= ceiling_s:
+            raise ValueError(f"auto_interval needs 0 < floor_s <= ceiling_s, "
+                             f"found {floor_s}, {ceiling_s}")
+        self.floor_s, self.ceiling_s = float(floor_s), float(ceiling_s)
+        self.mtbf_s, self.mtbf_source = resolve_mtbf(mtbf_s)
+        self._cost: float | None = None
+        self._interval = self.floor_s
+        self._logged: float | None = None
+        self._origin: float | None = None   # ctx.now of the first step seen
+
+    def __repr__(self) -> str:
+        return (f"auto_interval(mtbf_s={self.mtbf_s:g} ({self.mtbf_source}), "
+                f"floor_s={self.floor_s:g}, ceiling_s={self.ceiling_s:g})")
+
+    def interval(self, save_cost_s: float | None) -> float:
+        """Seconds from the end of one save to the start of the next."""
+        if save_cost_s is None:
+            return self.floor_s
+        if save_cost_s != self._cost:
+            self._cost = save_cost_s
+            tau = daly_interval(max(0.0, save_cost_s), self.mtbf_s)
+            self._interval = min(max(tau, self.floor_s), self.ceiling_s)
+            self._log_change(save_cost_s, tau)
+        return self._interval
+
+    def due(self, ctx: SaveContext) -> float:
+        """The time (on ``ctx.now``'s clock) from which it saves, given ``ctx``'s last save
+        and cost."""
+        if self._origin is None:
+            self._origin = ctx.now
+            if ctx.save_cost_s is None:
+                log.info("auto checkpoint interval %s until the first save measures its "
+                         "cost (mean time between failures %s, %s)", _dur(self.floor_s),
+                         _dur(self.mtbf_s), self.mtbf_source)
+        start = max(ctx.last_save_time, self._origin)
+        return min(start + self.interval(ctx.save_cost_s), ctx.last_save_time + self.ceiling_s)
+
+    def should_save(self, ctx: SaveContext) -> bool:
+        due = self.due(ctx)
+        return ctx.step != ctx.last_save_step and ctx.now >= due
+
+    def _log_change(self, cost: float, tau: float) -> None:
+        new, old = self._interval, self._logged
+        if old is not None and abs(new - old) <= 0.1 * old:
+            return
+        self._logged = new
+        if tau < self.floor_s:
+            how = f"Young/Daly optimum {_dur(tau)} raised to the floor"
+        elif tau > self.ceiling_s:
+            how = f"Young/Daly optimum {_dur(tau)} lowered to the ceiling"
+        else:
+            how = "Young/Daly optimum"
+        log.info("auto checkpoint interval %s: a save blocks training %s, mean time between "
+                 "failures %s (%s), %s, bounded to [%s, %s]", _dur(new), _dur(cost),
+                 _dur(self.mtbf_s), self.mtbf_source, how, _dur(self.floor_s),
+                 _dur(self.ceiling_s))
