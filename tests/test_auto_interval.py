@@ -167,7 +167,8 @@ def test_manager_passes_the_measured_blocking_time(tmp_path: Path) -> None:
         mgr.track(model=torch.nn.Linear(4, 4))
         for step in range(1, 6):
             mgr.maybe_save(step)
-    costs = [c.save_cost_s for c in spy.seen]
+    assert spy.seen == []                                   # each life uses its own copy
+    costs = [c.save_cost_s for c in mgr.policy.seen]        # type: ignore[attr-defined]
     assert costs[:2] == [None, None]                        # until the first save
     assert all(c is not None and 0 < c < 10 for c in costs[2:])
     assert costs[2] != costs[4]                             # an EMA: the second save moved it
@@ -197,6 +198,7 @@ def test_multi_rank_uses_the_slowest_ranks_cost(tmp_path: Path) -> None:
     coord = TwoRanks([0, 1, 0, -1])                         # the peer has not saved yet
     with CheckpointManager(tmp_path / "c", options=CheckpointOptions(policy=spy),
                            coordinator=coord) as mgr:       # type: ignore[arg-type]
+        spy = mgr.policy                                    # type: ignore[assignment]
         mgr.maybe_save(1)
         assert spy.seen[-1].save_cost_s is None
         mgr._save_cost = 0.25                               # as if this rank had saved

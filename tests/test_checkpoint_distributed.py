@@ -170,6 +170,18 @@ def test_time_based_saves_happen_at_the_same_steps(tmp_path: Path) -> None:
         assert_verifies(ckpt, step)
 
 
+def test_a_stateful_policy_decides_the_same_on_every_rank(tmp_path: Path) -> None:
+    # auto_interval with a different MTBF in each rank's environment: every rank must
+    # use the primary's policy, or the ranks save at different steps.
+    ckpt, out = tmp_path / "ckpt", tmp_path / "out"
+    r0, r1 = run("auto_saves", 2, ckpt, out)
+    assert r0["saved_steps"] == r1["saved_steps"], (r0, r1)
+    assert len(r0["saved_steps"]) >= 2, r0
+    for info in scan(Storage(str(ckpt))):
+        assert info.committed
+        assert_verifies(ckpt, info.step)
+
+
 def test_corrupt_file_of_one_rank_falls_back_on_every_rank(tmp_path: Path) -> None:
     ckpt, out = tmp_path / "ckpt", tmp_path / "out"
     results_ = run("corrupt", 2, ckpt, out)  # saves 2 and 4, flips a byte, restores

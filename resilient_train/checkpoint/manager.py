@@ -21,6 +21,7 @@ import io
 import logging
 import mmap
 import os
+import pickle
 import queue
 import signal
 import threading
@@ -220,8 +221,8 @@ class CheckpointManager:
         self.rank, self.world_size = self.coord.rank, self.coord.world_size
         self.is_primary = self.rank == 0
         self.clock = clock
-        self.policy = self.options.policy or default_save_policy(
-            self.options.save_every_steps, self.options.max_interval_s)
+        self.policy = self._agree_on_policy(self.options.policy or default_save_policy(
+            self.options.save_every_steps, self.options.max_interval_s))
         if self.is_primary:
             self.storage.check_writable()   # a missing bucket fails now, not hours from now
         # A fresh name per run for in-flight saves: a crashed run's leftovers never mix in.
@@ -249,6 +250,23 @@ class CheckpointManager:
         self._next_sync_step = 0
         self._step_time = 0.0
         self._last_step_clock: float | None = None
+
+    def _agree_on_policy(self, policy: SavePolicy) -> SavePolicy:
+        """This life's copy of the save policy, the primary's on every rank.
+
+        A policy may keep state (auto_interval: its MTBF, read from this process's
+        environment, and when it started counting); each life starts from a fresh copy, and
+        every rank takes the primary's so that they all decide to save at the same step.
+        """
+        try:
+            blob = pickle.dumps(policy) if self.is_primary else None
+        except Exception as exc:  # a policy holding a lambda: keep each rank's own
+            log.warning("the save policy %r cannot be copied (%s); each rank uses its own, "
+                        "so it must decide from its SaveContext alone", policy, exc)
+            blob = None
+        if self.world_size > 1:
+            blob = self.coord.broadcast(blob)
+        return policy if blob is None else pickle.loads(blob)  # noqa: S301 - our own bytes
 
     # --- what to save -----------------------------------------------------------------
 
@@ -400,11 +418,19 @@ class CheckpointManager:
                                                          snap["rank"])
         if "dcp" in snap:  # sharded layout: dcp.save (collective), then this rank's files
             entries.update(self._sharded.write(self.storage, work, snap["dcp"]))
-        gathered = self.coord.gather(entries)
+        gathered = self.coord.gather((step, entries))
         if gathered is None:
             return  # only the primary commits
+        steps = {rank: s for rank, (s, _) in enumerate(gathered)}
+        if set(steps.values()) != {step}:
+            # Committing would pair this manifest with other steps' files: refuse.
+            raise CheckpointError(
+                f"the ranks saved different steps ({', '.join(f'rank {r}: step {s}' for r, s in steps.items())}): "
+                "their save policies decided differently. A SavePolicy must decide from its "
+                "SaveContext (and state that is the same on every rank) alone; step "
+                f"{step} is not committed.")
         files: dict[str, FileEntry] = {}
-        for part in gathered:
+        for _, part in gathered:
             files.update(part)
         layout = SHARDED_LAYOUT if "dcp" in snap else "replicated"
         manifest = Manifest(step=step, world_size=self.world_size, layout=layout,

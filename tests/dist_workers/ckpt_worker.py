@@ -178,6 +178,26 @@ def timed_saves(ckpt: str, coord: Coordinator) -> dict[str, Any]:
     return {"saved_steps": saved_steps, "elapsed": time.time() - start}
 
 
+def auto_saves(ckpt: str, coord: Coordinator) -> dict[str, Any]:
+    # auto_interval keeps state read from this process's environment: here the ranks were
+    # told different MTBFs, so left alone they would save at different steps.
+    from resilient_train.checkpoint.policy import auto_interval
+
+    os.environ["RESILIENT_TRAIN_MTBF_S"] = "0.5" if RANK == 0 else "1000000"
+    mgr = CheckpointManager(
+        ckpt, options=CheckpointOptions(policy=auto_interval(floor_s=0.1),
+                                        sync_interval_s=0.05),
+        coordinator=coord)
+    mgr.track(values_only=torch.zeros(3))
+    saved_steps = []
+    for step in range(1, 81):
+        time.sleep(0.01)
+        if mgr.maybe_save(step):
+            saved_steps.append(step)
+    mgr.close()
+    return {"saved_steps": saved_steps}
+
+
 # --- SIGTERM ------------------------------------------------------------------------------
 
 def sigterm(ckpt: str, coord: Coordinator) -> dict[str, Any]:
@@ -340,6 +360,7 @@ SCENARIOS: dict[str, Callable[[str, Coordinator], dict[str, Any]]] = {
     "replicated_restore": replicated_restore,
     "corrupt": corrupt,
     "timed_saves": timed_saves,
+    "auto_saves": auto_saves,
     "sigterm": sigterm,
     "sharded": sharded,
     "sharded_restore": sharded_restore,
