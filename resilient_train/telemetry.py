@@ -35,8 +35,11 @@ TELEMETRY_ENV = "RESILIENT_TRAIN_TELEMETRY"
 # failure so far in this job (read by the auto checkpoint interval).
 OBSERVED_MTBF_ENV = "RESILIENT_TRAIN_OBSERVED_MTBF_S"
 
-# magic, first_step, last_step, t_start, t_first, t_last, blocking_s (time in epoch seconds)
-_RECORD = struct.Struct("<4sqqdddd")
+# magic, first_step, t_start, t_first, blocking_s, then last_step, t_last (epoch seconds):
+# the two that change every step are last and together, so a step stores 16 bytes.
+_RECORD = struct.Struct("<4sqdddqd")
+_TAIL = struct.Struct("<qd")
+_TAIL_AT = _RECORD.size - _TAIL.size
 _MAGIC = b"RTP1"
 _EMPTY = -1
 
@@ -99,10 +102,12 @@ class Telemetry:
         if seg is None or self._map is None:
             return
         now = time.time()
+        seg[1], seg[4] = done, now
         if seg[3] is None:
             seg[3] = now
-        seg[1], seg[4] = done, now
-        _RECORD.pack_into(self._map, 0, _MAGIC, seg[0], done, seg[2], seg[3], now, seg[5])
+            self._store()
+        else:
+            _TAIL.pack_into(self._map, _TAIL_AT, done, now)
 
     def saved(self, step: int, blocking_s: float) -> None:
         """A save after step ``step`` blocked the loop: the segment now ends after it."""
@@ -133,9 +138,9 @@ class Telemetry:
         seg = self._seg
         if seg is None or self._map is None:
             return
-        _RECORD.pack_into(self._map, 0, _MAGIC, seg[0], seg[1], seg[2],
-                          _EMPTY if seg[3] is None else seg[3],
-                          _EMPTY if seg[4] is None else seg[4], seg[5])
+        _RECORD.pack_into(self._map, 0, _MAGIC, seg[0], seg[2],
+                          _EMPTY if seg[3] is None else seg[3], seg[5], seg[1],
+                          _EMPTY if seg[4] is None else seg[4])
 
     def _close_segment(self) -> None:
         if self._seg is None:
@@ -177,7 +182,7 @@ def read_life(prefix: str | os.PathLike[str]) -> LifeTelemetry:
     except FileNotFoundError:
         raw = b""
     if len(raw) >= _RECORD.size:
-        magic, first, last, t_start, t_first, t_last, blocking = _RECORD.unpack_from(raw)
+        magic, first, t_start, t_first, blocking, last, t_last = _RECORD.unpack_from(raw)
         if magic == _MAGIC:   # a segment still open when the process ended
             segments.append(Segment(first, last, t_start, None if t_first == _EMPTY else t_first,
                                     None if t_last == _EMPTY else t_last, blocking))
