@@ -2,7 +2,7 @@
 
 Every step sleeps STEP_S; every 10th step a synchronous save of a 16 MB state blocks the
 loop. Besides the launcher's telemetry, the script keeps its own oracle: one line per
-finished step with its exact start and end, appended and flushed, so a SIGKILL loses at
+finished step with its exact start and end and the process, appended and flushed, so a SIGKILL loses at
 most the step it interrupted (which is not finished, so it is not productive anyway).
 """
 
@@ -30,7 +30,7 @@ def train(ctx: rt.Context) -> None:
             t0 = time.time()
             time.sleep(STEP_S)
             t1 = time.time()
-            oracle.write(json.dumps([step, t0, t1]) + "\n")
+            oracle.write(json.dumps([step, t0, t1, os.getpid()]) + "\n")
             oracle.flush()
 
 
