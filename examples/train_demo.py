@@ -66,7 +66,7 @@ def train(ctx: rt.Context, args: argparse.Namespace) -> None:
 
 def main() -> None:
     p = argparse.ArgumentParser()
-    p.add_argument("--steps", type=int, default=300)
+    p.add_argument("--steps", type=int, default=200)
     p.add_argument("--save-every", type=int, default=10)
     p.add_argument("--step-time", type=float, default=0.05, help="extra seconds per step, "
                    "so faults land mid-training")

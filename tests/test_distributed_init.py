@@ -81,7 +81,7 @@ def test_primary_twelve_seconds_late_still_forms() -> None:
         assert r["sum"] == 10.0  # 1+2+3+4: every rank took part
         assert r["generation"] == 0
     # The workers that came early waited for the primary (and said so in their logs).
-    assert results[1]["formed_s"] > 15.0
+    assert results[1]["formed_s"] > 12.0
     assert "waiting for the primary workerpool0-0" in results[1]["stderr"]
 
 
