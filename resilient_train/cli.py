@@ -313,6 +313,12 @@ def _status(args: argparse.Namespace) -> int:
         print(f"error     code {job['error']['code']}: {job['error']['message']}")
     budgets = ", ".join(f"{n} {b['used']}/{b['limit']}" for n, b in job.get("budgets", {}).items())
     print(f"budgets   {budgets}")
+    g = job.get("goodput")
+    if g:
+        print(f"goodput   {g['goodput']:.1%} of {g['wall_s']:.1f} s: productive "
+              f"{g['productive_s']:.1f} s, lost {g['lost_s']:.1f} s ({g['steps_lost']} steps), "
+              f"recovery {g['recovery_s']:.1f} s, checkpoint {g['checkpoint_s']:.1f} s, "
+              f"startup {g['startup_s']:.1f} s, other {g['other_s']:.1f} s")
     for att in job.get("attempts", []):
         print(f"attempt {att['attempt']}: {att['start_time']} .. {att['end_time'] or 'now'}"
               f"  {att['result'] or 'running'}")

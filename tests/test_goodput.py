@@ -137,3 +137,6 @@ def test_a_synthetic_job_with_scripted_faults_matches_its_oracle(tmp_path: Path)
     assert got["steps_lost"] == len(lines) - 100            # each redone step, counted once
     assert got["recovery_s"] > 1.0                           # the faults cost something
     assert got["goodput"] == pytest.approx(truth["productive_s"] / truth["wall_s"], abs=0.02)
+    status = subprocess.run([sys.executable, "-m", "resilient_train.cli", "status", str(job_dir)],
+                            capture_output=True, text=True, timeout=60, check=True).stdout
+    assert f"goodput   {got['goodput']:.1%} of {got['wall_s']:.1f} s: productive" in status
