@@ -41,6 +41,7 @@ REPO = HERE.parent
 DEFAULT_RESULTS = HERE / "results"
 sys.path.insert(0, str(HERE))
 import plots
+from bench_goodput import root_cause  # the last "...Error: ..." line of an output
 
 STATUS_FILE = "run_all.json"
 
@@ -478,15 +479,6 @@ def _rate_label(mean: Any) -> str:
     return "no faults" if mean is None else f"kill every ~{float(mean):g} s"
 
 
-def _root_cause(output: str) -> str | None:
-    found = None
-    for line in output.splitlines():
-        m = re.match(r"^([\w.]*(?:Error|Exception)): (.*)", line.strip())
-        if m:
-            found = f"{m.group(1)}: {m.group(2)}"
-    return found[:600] if found else None
-
-
 def section_goodput(d: dict[str, Any]) -> Section:
     cfg = d.get("config") or {}
     runs = d.get("runs") or []
@@ -545,7 +537,7 @@ def section_goodput(d: dict[str, Any]) -> Section:
     md.append("\n</details>")
     for r in runs:
         if r.get("error"):
-            cause = r.get("root_cause") or _root_cause(r.get("output_tail") or "")
+            cause = r.get("root_cause") or root_cause(r.get("output_tail") or "")
             md += ["", f"**`{r['policy']}` at {_rate_label(r.get('mean_s'))} failed**: "
                    f"{r['error']}" + (f". Root cause: `{cause}`" if cause else "")]
     for note in d.get("notes") or []:

@@ -47,7 +47,7 @@ class Goodput:
                 "goodput": round(self.goodput, 4)}
 
 
-def _covered(n_lo: int, n_hi: int, later: list[tuple[int, int]]) -> int:
+def covered_steps(n_lo: int, n_hi: int, later: list[tuple[int, int]]) -> int:
     """How many step numbers in (n_lo, n_hi] lie in the union of the intervals ``later``."""
     count, pos = 0, n_lo
     for lo, hi in sorted(later):
@@ -70,7 +70,7 @@ def account(segments: Iterable[Segment], start_time: float, end_time: float) -> 
     for seg in reversed(segs):
         if seg.steps > 0 and seg.t_last is not None:
             compute = max(0.0, seg.t_last - seg.t_start - seg.blocking_s)
-            redone = _covered(seg.first_step, seg.last_step, later)
+            redone = covered_steps(seg.first_step, seg.last_step, later)
             per_step = compute / seg.steps
             lost += redone * per_step
             productive += compute - redone * per_step
@@ -82,6 +82,6 @@ def account(segments: Iterable[Segment], start_time: float, end_time: float) -> 
         recovery += max(0.0, seg.t_start - prev_end)
     startup = max(0.0, segs[0].t_start - start_time)
     other = max(0.0, end_time - ends[-1])
-    trained = _covered(0, max(s.last_step for s in segs), later)
+    trained = covered_steps(0, max(s.last_step for s in segs), later)
     return Goodput(wall, startup, productive, lost, checkpoint, recovery, other, trained,
                    steps_lost, len(segs), len(segs) - 1)

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from .goodput import covered_steps
 from .launcher.record import JOB_FILE, read_job, telemetry_prefixes
 from .telemetry import LifeTelemetry, Segment, read_life
 
@@ -248,17 +249,6 @@ def _lives(events: Sequence[Mapping[str, Any]], replica: str) -> list[_Life]:
     return lives
 
 
-def _covered(lo: int, hi: int, later: list[tuple[int, int]]) -> int:
-    """How many step numbers in (lo, hi] lie in the union of the intervals ``later``."""
-    count, pos = 0, lo
-    for a, b in sorted(later):
-        a, b = max(a, pos), min(b, hi)
-        if b > a:
-            count += b - a
-            pos = b
-    return count
-
-
 def _redone(segments: Sequence[Segment]) -> dict[int, int]:
     """For each segment (by index in ``segments``, sorted by start): its steps that a later
     segment computed again."""
@@ -266,7 +256,7 @@ def _redone(segments: Sequence[Segment]) -> dict[int, int]:
     out: dict[int, int] = {}
     for i in range(len(segments) - 1, -1, -1):
         seg = segments[i]
-        out[i] = _covered(seg.first_step, seg.last_step, later) if seg.steps > 0 else 0
+        out[i] = covered_steps(seg.first_step, seg.last_step, later) if seg.steps > 0 else 0
         if seg.steps > 0:
             later.append((seg.first_step, seg.last_step))
     return out
