@@ -96,19 +96,14 @@ class Context:
         if start:
             log.info("resuming after step %d", start)
         mgr, group, tele = self.checkpoints, self.group, _telemetry()
-        if tele is None:
-            for step in range(start, total):
-                yield step
-                self.step = done = step + 1
-                mgr.maybe_save(done)
-                group.step_done(done)
-            return
-        tele.begin_segment(start)   # the launcher's goodput accounting (telemetry.py)
+        if tele is not None:
+            tele.begin_segment(start)   # the launcher's goodput accounting (telemetry.py)
         for step in range(start, total):
             yield step
             self.step = done = step + 1
-            tele.step(done)        # first: an emergency save on SIGTERM exits inside maybe_save
-            if mgr.maybe_save(done):
+            if tele is not None:   # first: an emergency save on SIGTERM exits in maybe_save
+                tele.step(done)
+            if mgr.maybe_save(done) and tele is not None:
                 tele.saved(done, mgr.last_blocking_s)
             group.step_done(done)
 
