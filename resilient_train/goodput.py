@@ -58,6 +58,18 @@ def covered_steps(n_lo: int, n_hi: int, later: list[tuple[int, int]]) -> int:
     return count
 
 
+def redone_steps(segs: Sequence[Segment]) -> list[int]:
+    """For each segment (in start order): how many of its steps a later one computed again."""
+    later: list[tuple[int, int]] = []   # step intervals (lo, hi] computed by later segments
+    out = [0] * len(segs)
+    for i in range(len(segs) - 1, -1, -1):
+        seg = segs[i]
+        if seg.steps > 0:
+            out[i] = covered_steps(seg.first_step, seg.last_step, later)
+            later.append((seg.first_step, seg.last_step))
+    return out
+
+
 def account(segments: Iterable[Segment], start_time: float, end_time: float) -> Goodput:
     """Split ``end_time - start_time`` into the buckets above."""
     segs: Sequence[Segment] = sorted(segments, key=lambda s: s.t_start)
@@ -66,22 +78,20 @@ def account(segments: Iterable[Segment], start_time: float, end_time: float) -> 
         return Goodput(wall, wall, 0.0, 0.0, 0.0, 0.0, 0.0, 0, 0, 0, 0)
     productive = lost = checkpoint = recovery = 0.0
     steps_lost = 0
-    later: list[tuple[int, int]] = []   # step intervals (lo, hi] computed by later segments
-    for seg in reversed(segs):
+    for seg, redone in zip(segs, redone_steps(segs)):
         if seg.steps > 0 and seg.t_last is not None:
             compute = max(0.0, seg.t_last - seg.t_start - seg.blocking_s)
-            redone = covered_steps(seg.first_step, seg.last_step, later)
             per_step = compute / seg.steps
             lost += redone * per_step
             productive += compute - redone * per_step
             steps_lost += redone
             checkpoint += seg.blocking_s
-            later.append((seg.first_step, seg.last_step))
     ends = [s.t_last if s.t_last is not None else s.t_start for s in segs]
     for prev_end, seg in zip(ends, segs[1:]):
         recovery += max(0.0, seg.t_start - prev_end)
     startup = max(0.0, segs[0].t_start - start_time)
     other = max(0.0, end_time - ends[-1])
-    trained = covered_steps(0, max(s.last_step for s in segs), later)
+    trained = covered_steps(0, max(s.last_step for s in segs),
+                            [(s.first_step, s.last_step) for s in segs if s.steps > 0])
     return Goodput(wall, startup, productive, lost, checkpoint, recovery, other, trained,
                    steps_lost, len(segs), len(segs) - 1)

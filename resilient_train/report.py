@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .goodput import covered_steps
+from .goodput import redone_steps
 from .launcher.record import JOB_FILE, read_job, telemetry_prefixes
 from .telemetry import LifeTelemetry, Segment, read_life
 
@@ -249,19 +249,6 @@ def _lives(events: Sequence[Mapping[str, Any]], replica: str) -> list[_Life]:
     return lives
 
 
-def _redone(segments: Sequence[Segment]) -> dict[int, int]:
-    """For each segment (by index in ``segments``, sorted by start): its steps that a later
-    segment computed again."""
-    later: list[tuple[int, int]] = []
-    out: dict[int, int] = {}
-    for i in range(len(segments) - 1, -1, -1):
-        seg = segments[i]
-        out[i] = covered_steps(seg.first_step, seg.last_step, later) if seg.steps > 0 else 0
-        if seg.steps > 0:
-            later.append((seg.first_step, seg.last_step))
-    return out
-
-
 def _rel(seg: Segment, t0: float) -> Segment:
     return Segment(seg.first_step, seg.last_step, seg.t_start - t0,
                    None if seg.t_first is None else seg.t_first - t0,
@@ -276,7 +263,7 @@ def _lane(replica: str, primary: bool, lives: list[_Life], segments: list[Segmen
           saves: list[tuple[float, int, float]], end: float, any_telemetry: bool) -> _Lane:
     """The bars of one replica: its lives split by what it did, and the gaps between."""
     bars: list[_Bar] = []
-    redone = _redone(segments)
+    redone = redone_steps(segments)
     # A segment belongs to the last life that started before it (launcher and worker read
     # the same clock; the launcher notes a start before the process runs a line).
     owner: dict[int, list[int]] = {}
