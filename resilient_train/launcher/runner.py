@@ -29,7 +29,7 @@ import psutil
 
 from ..errors import exit_code_for, read_error_report
 from ..goodput import account
-from ..telemetry import OBSERVED_MTBF_ENV, TELEMETRY_ENV, read_life
+from ..telemetry import read_life
 from ..ports import free_port
 from .chaos import ChaosSchedule, ChaosSpec, FaultKind, ScheduledFault
 from .job import (
@@ -505,12 +505,10 @@ class Launcher:
         report.parent.mkdir(parents=True, exist_ok=True)
         report.unlink(missing_ok=True)
         env = worker_env(self.env, replica, attempt=cmd.attempt, restart=cmd.restart,
-                         error_file=str(report), gpu_ids=gpu_ids, base=o.env)
-        env[TELEMETRY_ENV] = str(telemetry_prefix(self.job_dir, cmd.attempt, replica.name,
-                                                  cmd.restart))
-        mtbf = self._observed_mtbf(now=self.clock())
-        if mtbf is not None:   # for CheckpointOptions(policy=auto_interval())
-            env[OBSERVED_MTBF_ENV] = f"{mtbf:.1f}"
+                         error_file=str(report), gpu_ids=gpu_ids, base=o.env,
+                         telemetry=str(telemetry_prefix(self.job_dir, cmd.attempt,
+                                                        replica.name, cmd.restart)),
+                         observed_mtbf_s=self._observed_mtbf(now=self.clock()))
         logfile = log_path(self.job_dir, cmd.attempt, replica.name)
         logfile.parent.mkdir(parents=True, exist_ok=True)
         out = open(logfile, "ab")

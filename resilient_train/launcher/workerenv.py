@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 from ..cluster import cluster_spec_json, tf_config_json
 from ..errors import ERROR_FILE_ENV
+from ..telemetry import OBSERVED_MTBF_ENV, TELEMETRY_ENV
 
 # Pools 0 (primary) and 1 (workers) form the training process group; pools 2 (parameter
 # or reduction servers) and 3 (evaluators) do not.
@@ -58,7 +59,8 @@ class JobEnv:
 
 def worker_env(job: JobEnv, replica: Replica, *, attempt: int, restart: int,
                error_file: str, gpu_ids: Sequence[int] | None,
-               base: Mapping[str, str]) -> dict[str, str]:
+               base: Mapping[str, str], telemetry: str = "",
+               observed_mtbf_s: float | None = None) -> dict[str, str]:
     cluster: dict[str, list[str]] = {}
     for i, r in enumerate(job.replicas):
         # Locally every replica is this host; ports are distinct so the addresses are too.
@@ -82,6 +84,7 @@ def worker_env(job: JobEnv, replica: Replica, *, attempt: int, restart: int,
         "TORCHELASTIC_RESTART_COUNT": str(restart),
         "TORCHELASTIC_RUN_ID": job.job_id,
         ERROR_FILE_ENV: error_file,
+        TELEMETRY_ENV: telemetry,   # where this life reports its training progress
         "RESILIENT_TRAIN_REPLICA": replica.name,
         "RESILIENT_TRAIN_ATTEMPT": str(attempt),
         "RESILIENT_TRAIN_RESTART_COUNT": str(restart),
@@ -100,6 +103,10 @@ def worker_env(job: JobEnv, replica: Replica, *, attempt: int, restart: int,
         env["TF_CONFIG"] = tf_config
     else:
         env.pop("TF_CONFIG", None)
+    if observed_mtbf_s is not None:   # for CheckpointOptions(policy=auto_interval())
+        env[OBSERVED_MTBF_ENV] = f"{observed_mtbf_s:.1f}"
+    else:
+        env.pop(OBSERVED_MTBF_ENV, None)
     if gpu_ids is not None:
         env["CUDA_VISIBLE_DEVICES"] = ",".join(str(g) for g in gpu_ids)
     if sys.platform.startswith("linux"):
