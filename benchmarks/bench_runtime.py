@@ -56,7 +56,7 @@ def main() -> None:
         loop()
         # As under the launcher: the process-wide telemetry is created on first use.
         os.environ[TELEMETRY_ENV] = os.path.join(tmp, "telemetry", "bench")
-        runtime._TELEMETRY.clear()
+        runtime._telemetry.cache_clear()
         phase[0] = "ctx.steps+telemetry"
         out["bare"].clear()
         loop()

@@ -22,13 +22,10 @@ from .telemetry import Telemetry
 
 log = logging.getLogger(__name__)
 
-_TELEMETRY: list[Telemetry | None] = []   # one per process, shared by its lives
-
-
+@functools.cache
 def _telemetry() -> Telemetry | None:
-    if not _TELEMETRY:
-        _TELEMETRY.append(Telemetry.from_env())
-    return _TELEMETRY[0]
+    """One per process, shared by its lives (in-process recoveries)."""
+    return Telemetry.from_env()
 
 R = TypeVar("R")
 
