@@ -78,8 +78,10 @@ def test_five_faults_of_five_kinds_end_bitwise_equal_to_a_run_without_faults(
     first = job["attempts"][0]["replicas"]
     assert first["workerpool0-0"]["restarts"] == 2         # node loss, then preemption
     assert first["workerpool1-0"]["uncounted_restarts"] == 1  # maintenance is not counted
-    # The primary's node loss was absorbed in-process by the survivor, without a retry.
-    assert "process group re-formed at generation" in out
+    # The primary's node loss cost the survivor nothing: it was never restarted for it (it
+    # re-formed in-process, or, when the kill came during start-up, waited at the
+    # rendezvous; which one depends on the machine's speed, so not asserted).
+    assert first["workerpool1-0"]["restarts"] == 0
     assert out.count("resumed from step") >= 2
 
     # Wherever the faults landed, the result is exactly that of the uninterrupted run.
