@@ -164,3 +164,14 @@ def test_cli_verify_of_a_missing_step_is_a_usage_error(
     directory = saved_dir(tmp_path, 1)
     assert cli.main(["checkpoints", "verify", str(directory), "--step", "99"]) == 2
     assert "no step 99" in capsys.readouterr().err
+
+
+def test_a_blocking_save_of_a_meta_tensor_is_a_clear_error(tmp_path: Path) -> None:
+    # Blocking saves of state off the CPU go through the host snapshot, which names the
+    # tensor that cannot be saved (torch.save would write a meta tensor without data).
+    model = torch.nn.Linear(2, 2, device="meta")
+    with CheckpointManager(tmp_path, options=CheckpointOptions(async_save=False)) as mgr:
+        mgr.track(model=model)
+        with pytest.raises(TypeError, match=r"meta tensor .*materialise the module"):
+            mgr.save(1)
+    assert not list(tmp_path.glob("step-*"))

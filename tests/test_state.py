@@ -30,6 +30,7 @@ from resilient_train.checkpoint.state import (
     restore_rng,
     tree_map_tensors,
     tree_nbytes,
+    tree_on_host,
 )
 
 try:
@@ -520,3 +521,11 @@ def test_optimizer_state_dict_that_is_not_one() -> None:
                        match=r"expected an Optimizer.state_dict\(\) with 'state' and "
                              r"'param_groups', found \['lr'\]"):
         restore({"opt": opt}, {"opt": {"lr": 0.1}})
+
+
+def test_tree_on_host_sees_tensors_off_the_cpu() -> None:
+    # A blocking save writes a tree as it is only when this holds; accelerator state goes
+    # through the host snapshot, so no file ever holds device tensors.
+    assert tree_on_host({"a": [torch.ones(2), (1, "x")], "b": {"c": torch.zeros(1)}})
+    assert tree_on_host({"no": "tensors"})
+    assert not tree_on_host({"a": [torch.ones(2), torch.empty(3, device="meta")]})

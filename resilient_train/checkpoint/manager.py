@@ -56,7 +56,15 @@ from .manifest import (
 from .policy import FOUR_HOURS, SaveContext, SavePolicy, default_save_policy
 from .retention import CommittedStep, RetentionPolicy, to_delete
 from .sharded import SHARDED_LAYOUT, ShardedCheckpointer
-from .state import HostSnapshot, capture_rng, check_weights_only, collect, restore, restore_rng
+from .state import (
+    HostSnapshot,
+    capture_rng,
+    check_weights_only,
+    collect,
+    restore,
+    restore_rng,
+    tree_on_host,
+)
 from .storage import RetryOptions, Storage
 
 log = logging.getLogger(__name__)
@@ -336,7 +344,9 @@ class CheckpointManager:
         sync = bool(blocking or (blocking is None and not self.options.async_save))
         # A blocking save writes the live state (nothing can change it meanwhile); an async
         # one copies it into reused host buffers first, and that copy is all it blocks for.
-        snap = tree if sync else self._snapshot.snapshot(tree)
+        # Accelerator state always goes through the host copy, so every file holds CPU
+        # tensors: torch.load(weights_only=True) reads it on a machine without a GPU.
+        snap = tree if sync and tree_on_host(tree) else self._snapshot.snapshot(tree)
         if staged is not None:
             snap["dcp"] = staged  # already a host copy: DCP's stager made it
         self.last_blocking_s = time.perf_counter() - t0

@@ -389,6 +389,13 @@ def tree_map_tensors(fn: Callable[[torch.Tensor], Any], tree: Any) -> Any:
     return _map_tree(tree, lambda _key, t: fn(t), lambda x: x)
 
 
+def tree_on_host(tree: Any) -> bool:
+    """True when every tensor in ``tree`` lives in host memory (none on an accelerator)."""
+    devices: set[str] = set()
+    _map_tree(tree, lambda _key, t: devices.add(t.device.type), lambda x: x)
+    return devices <= {"cpu"}
+
+
 def tree_nbytes(tree: Any) -> int:
     """Bytes of tensor data in ``tree`` (each tensor object counted once)."""
     seen: dict[int, int] = {}
