@@ -494,6 +494,17 @@ def test_real_allocation_over_the_memory_limit_is_oom(e2e: E2E) -> None:
     assert not e2e.files("*.allocated")  # killed before it could hold 512 MiB
 
 
+def test_pages_shared_by_forked_processes_count_once_against_the_limit(e2e: E2E) -> None:
+    # DataLoader workers share the parent's memory copy-on-write: a sum of RSS counts it
+    # once per process (here 4 x 150 MiB > 300 MiB), a container's limit once.
+    status, rec, _ = e2e.launch("--memory-limit", "300MiB", script="fork_shared.py",
+                                script_args=("150", "3", "2"))
+    forked = e2e.read("workerpool0-0.a1.r0.forked")
+    assert forked["rss_sum"] > 300 * 2**20 > forked["pss_sum"]
+    assert (status, rec["state"]) == (0, "JOB_STATE_SUCCEEDED")
+    assert not any("out of memory" in m for m in event_messages(rec))
+
+
 def test_timeout_stops_a_hanging_job(e2e: E2E) -> None:
     status, rec, _ = e2e.launch("--timeout", "2s", script="hang.py")
     assert (status, rec["state"]) == (124, "JOB_STATE_FAILED")

@@ -17,6 +17,7 @@ from resilient_train.launcher.resources import (
     memory_limit_for,
     parse_memory,
     process_tree,
+    process_tree_memory,
     process_tree_rss,
     reserved_fraction,
 )
@@ -160,6 +161,40 @@ def test_process_tree_includes_grandchildren(allocator: subprocess.Popen[str]) -
     allocator.stdin.flush()
     _step(allocator, "ready")
     assert process_tree_rss(allocator.pid) >= MB100 + tree[0].memory_info().rss
+
+
+# Allocates (and touches) ~100 MB, forks two children that share it copy-on-write and
+# never touch it, prints "ready", holds until stdin closes.
+FORKER = """
+import os, sys, time
+block = b"x" * (100 * 1024 * 1024)
+pids = []
+for _ in range(2):
+    pid = os.fork()
+    if pid == 0:
+        time.sleep(120)
+        os._exit(0)
+    pids.append(pid)
+print("ready", flush=True)
+sys.stdin.read()
+for pid in pids:
+    os.kill(pid, 9)
+    os.waitpid(pid, 0)
+"""
+
+
+@pytest.mark.skipif(not Path("/proc/self/smaps_rollup").exists(), reason="needs Linux PSS")
+def test_process_tree_memory_counts_pages_shared_by_a_fork_once() -> None:
+    proc = subprocess.Popen([sys.executable, "-c", FORKER], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, text=True)
+    try:
+        _step(proc, "ready")
+        assert len(process_tree(proc.pid)) == 3
+        assert process_tree_rss(proc.pid) >= 3 * 0.9 * MB100   # the block counted 3 times
+        assert 0.9 * MB100 <= process_tree_memory(proc.pid) < 1.5 * MB100  # once
+    finally:
+        proc.stdin.close()
+        proc.wait(timeout=10)
 
 
 def test_missing_process() -> None:

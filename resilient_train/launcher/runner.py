@@ -46,7 +46,7 @@ from .policy import Cause, Policy, Strategy
 from .quota import Capacity, Lease, LocalQuota, Request, default_quota_dir
 from .record import (JOB_FILE, log_path, report_path, telemetry_prefix, telemetry_prefixes,
                      write_json_atomic)
-from .resources import detect_gpus, process_tree
+from .resources import detect_gpus, process_tree, tree_pss, tree_rss
 from .workerenv import LAUNCH_ID_ENV, JobEnv, Replica, replicas_for, worker_env
 
 log = logging.getLogger(__name__)
@@ -64,6 +64,7 @@ _FAULT_CAUSE = {
 # How often the memory check re-discovers a worker's descendants (new children count
 # from then on; the worker process itself is always measured at every poll).
 _TREE_REFRESH_S = 1.0
+_PSS_REFRESH_S = 1.0
 
 
 class LaunchError(Exception):
@@ -110,8 +111,9 @@ class _Worker:
         self.kill_at: float | None = None    # SIGKILL deadline after a SIGTERM
         self.tree: list[psutil.Process] = []
         self.tail: collections.deque[str] = collections.deque(maxlen=40)
-        self.mem_tree: list[psutil.Process] = []   # whose RSS counts; refreshed now and then
+        self.mem_tree: list[psutil.Process] = []   # whose memory counts; refreshed now and then
         self.mem_tree_at = float("-inf")
+        self.pss, self.pss_rss, self.pss_at = 0, 0, float("-inf")  # the last exact read
         self.reported_oom = False   # set by finish() from the error report
         self._log = log_file
         self._reader = threading.Thread(target=self._pump, args=(echo,), daemon=True,
@@ -642,21 +644,28 @@ class Launcher:
             w.signal(signal.SIGKILL)
         return True
 
-    def _tree_rss(self, w: _Worker) -> int:
-        """RSS of the worker's process tree. Finding the tree scans every process on the
-        machine (psutil's ppid map), so it is redone at most every _TREE_REFRESH_S; the RSS
-        of the known members is read at every poll (one small /proc read each)."""
+    def _tree_memory(self, w: _Worker, limit: int) -> int:
+        """Memory of the worker's process tree, each shared page once (resources.tree_pss).
+
+        Finding the tree scans every process on the machine (psutil's ppid map), so it is
+        redone at most every _TREE_REFRESH_S. The RSS sum is read at every poll; PSS <= RSS,
+        so under the limit that answers. Over it, PSS decides, read afresh when the last
+        exact value plus all RSS growth since (a safe estimate) is over the limit too, or
+        every _PSS_REFRESH_S: a read costs a page-table walk per process.
+        """
         now = time.monotonic()
         if now - w.mem_tree_at >= _TREE_REFRESH_S or not w.mem_tree:
             w.mem_tree = process_tree(w.popen.pid)
             w.mem_tree_at = now
-        total = 0
-        for proc in w.mem_tree:
-            try:
-                total += proc.memory_info().rss
-            except (psutil.NoSuchProcess, psutil.AccessDenied):
-                continue
-        return total
+        rss = tree_rss(w.mem_tree)
+        if rss <= limit:
+            return rss
+        if now - w.pss_at < _PSS_REFRESH_S:
+            estimate = w.pss + max(0, rss - w.pss_rss)
+            if estimate <= limit:
+                return estimate
+        w.pss, w.pss_rss, w.pss_at = tree_pss(w.mem_tree), rss, now
+        return w.pss
 
     def _check_memory(self) -> None:
         limit = self.options.memory_limit
@@ -664,9 +673,9 @@ class Launcher:
         for w in self.workers.values():
             if w.cause is not None:
                 continue
-            rss = self._tree_rss(w)
-            if rss > limit:
-                self.note(f"{w.replica.name}: out of memory: {rss / 2**20:.0f} MiB > limit "
+            used = self._tree_memory(w, limit)
+            if used > limit:
+                self.note(f"{w.replica.name}: out of memory: {used / 2**20:.0f} MiB > limit "
                           f"{limit / 2**20:.0f} MiB")
                 w.cause = Cause.OOM
                 w.snapshot_tree()
