@@ -245,6 +245,23 @@ def test_environment_of_a_three_replica_job(e2e: E2E) -> None:
     assert sorted(gpus) == ["0", "1", "2"]  # one fake GPU each, disjoint
 
 
+def test_relative_job_and_output_dirs_reach_workers_as_absolute_paths(e2e: E2E) -> None:
+    # A worker that changes directory must still find its error report path, telemetry
+    # and AIP_* directories: relative paths would land them under its new directory.
+    e2e.monkeypatch.chdir(e2e.tmp)
+    e2e.primary_waits_for("workerpool0-0.a1.r0.env")
+    status = cli.main(["launch", "--job-dir", "jobs/rel", "--output-dir", "out/base",
+                       "--timeout", JOB_TIMEOUT, "--", PY, str(WORKERS / "dump_env.py")])
+    e2e.capsys.readouterr()
+    assert status == 0
+    env = env_of(e2e, PRIMARY)
+    for var in ("TORCHELASTIC_ERROR_FILE", "RESILIENT_TRAIN_TELEMETRY",
+                "RESILIENT_TRAIN_JOB_DIR", "AIP_CHECKPOINT_DIR", "AIP_MODEL_DIR"):
+        assert os.path.isabs(env[var]), (var, env[var])
+    assert env["RESILIENT_TRAIN_JOB_DIR"] == str(e2e.tmp.resolve() / "jobs" / "rel")
+    assert env["AIP_CHECKPOINT_DIR"] == f"{e2e.tmp.resolve()}/out/base/checkpoints/"
+
+
 def test_environment_of_explicit_pools_with_gs_output(e2e: E2E) -> None:
     e2e.monkeypatch.setenv("RESILIENT_TRAIN_GPUS", "4")  # GPUs exist, the job asks for none
     names = [PRIMARY, "workerpool1-0", "workerpool1-1", "workerpool2-0", "workerpool3-0"]

@@ -254,7 +254,9 @@ class Launcher:
         self.clock = clock
         self.replicas = replicas_for(options.pools)
         self._by_name = {r.name: r for r in self.replicas}
-        self.job_dir = options.job_dir
+        # Absolute: the paths handed to workers (error reports, telemetry, AIP_*) must hold
+        # for a worker that changes directory.
+        self.job_dir = options.job_dir.resolve()
         # Validate the chaos targets before anything is created or started.
         self.chaos = ChaosSchedule(options.chaos, [r.name for r in self.replicas])
         self.machine = JobMachine(JobConfig(
@@ -267,13 +269,14 @@ class Launcher:
             max_wait=options.max_wait,
             region=options.region,
         ), clock())
-        # Absolute local paths: a worker that changes directory still finds them.
-        job_dir_abs = self.job_dir.resolve()
+        output = options.output_dir or str(self.job_dir / "output")
+        if "://" not in output:
+            output = os.path.abspath(output)
         self.env = JobEnv(
             job_id=options.job_name, replicas=self.replicas, master_addr="127.0.0.1",
             master_port=free_port(),  # outside the ephemeral range: see ports.py
-            output_base=(options.output_dir or str(job_dir_abs / "output")).rstrip("/"),
-            job_dir=str(job_dir_abs), launch_id=uuid.uuid4().hex)
+            output_base=output.rstrip("/"), job_dir=str(self.job_dir),
+            launch_id=uuid.uuid4().hex)
         self._watchdog: _Watchdog | None = None
         self.workers: dict[str, _Worker] = {}
         self._launcher_started = _process_start_time(os.getpid())
