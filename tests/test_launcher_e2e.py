@@ -511,6 +511,25 @@ def test_real_allocation_over_the_memory_limit_is_oom(e2e: E2E) -> None:
     assert not e2e.files("*.allocated")  # killed before it could hold 512 MiB
 
 
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM], ids=["SIGKILL", "SIGTERM"])
+def test_a_worker_killed_from_outside_is_a_node_loss_and_restarts(e2e: E2E, sig: int) -> None:
+    # Rule 7: a worker killed from outside (not by the launcher, not by its own crash) is an
+    # infrastructure fault, restarted in place with the same name; not a bug (rule 8).
+    e2e.primary_waits_for("workerpool1-0.a1.r1.ready")
+    proc, out = e2e.spawn("--workers", "2")
+    victim = e2e.wait_file("workerpool1-0.a1.r0.ready")
+    os.kill(victim["pid"], sig)
+    assert proc.wait(timeout=90) == 0, out.read_text()
+    rec = read_job(e2e.job_dir())
+    assert rec["state"] == "JOB_STATE_SUCCEEDED"
+    assert replica(rec, "workerpool1-0")["restarts"] == 1
+    assert replica(rec, "workerpool1-0")["exit_codes"][0] == 128 + sig
+    assert len(rec["attempts"]) == 1
+    name = signal.Signals(sig).name
+    assert any(f"workerpool1-0: killed by {name} from outside the launcher" in m
+               for m in event_messages(rec))
+
+
 def test_pages_shared_by_forked_processes_count_once_against_the_limit(e2e: E2E) -> None:
     # DataLoader workers share the parent's memory copy-on-write: a sum of RSS counts it
     # once per process (here 4 x 150 MiB > 300 MiB), a container's limit once.

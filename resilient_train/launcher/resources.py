@@ -23,6 +23,7 @@ __all__ = [
     "MACHINE_TYPES",
     "MachineType",
     "detect_gpus",
+    "kernel_oom_kills",
     "memory_limit_for",
     "parse_memory",
     "process_tree",
@@ -265,6 +266,20 @@ def _pss(pid: int) -> int | None:
             for line in f:
                 if line.startswith(b"Pss:"):
                     return int(line.split()[1]) * KiB
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
+def kernel_oom_kills() -> int | None:
+    """How many processes the kernel's OOM killer has killed since boot (``oom_kill`` in
+    /proc/vmstat, Linux 4.13+); None where unknown. A worker that died of SIGKILL while
+    this rose was, in all likelihood, the victim: the machine ran out of memory."""
+    try:
+        with open("/proc/vmstat", "rb") as f:
+            for line in f:
+                if line.startswith(b"oom_kill "):
+                    return int(line.split()[1])
     except (OSError, ValueError, IndexError):
         return None
     return None

@@ -46,7 +46,7 @@ from .policy import Cause, Policy, Strategy
 from .quota import Capacity, Lease, LocalQuota, Request, default_quota_dir
 from .record import (JOB_FILE, log_path, report_path, telemetry_prefix, telemetry_prefixes,
                      write_json_atomic)
-from .resources import detect_gpus, process_tree, tree_pss, tree_rss
+from .resources import detect_gpus, kernel_oom_kills, process_tree, tree_pss, tree_rss
 from .workerenv import LAUNCH_ID_ENV, JobEnv, Replica, replicas_for, worker_env
 
 log = logging.getLogger(__name__)
@@ -64,6 +64,9 @@ _FAULT_CAUSE = {
 # How often the memory check re-discovers a worker's descendants (new children count
 # from then on; the worker process itself is always measured at every poll).
 _TREE_REFRESH_S = 1.0
+# Deaths by these signals, unless the launcher sent them, are kills from outside (rule 7);
+# SIGABRT / SIGSEGV are crashes (rule 4), other signals the program's own fault (rule 8).
+_OUTSIDE_SIGNALS = frozenset({signal.SIGKILL, signal.SIGTERM, signal.SIGHUP, signal.SIGINT})
 _PSS_REFRESH_S = 1.0
 
 
@@ -115,6 +118,8 @@ class _Worker:
         self.mem_tree_at = float("-inf")
         self.pss, self.pss_rss, self.pss_at = 0, 0, float("-inf")  # the last exact read
         self.reported_oom = False   # set by finish() from the error report
+        self.oom_kills_at_start = kernel_oom_kills()
+        self.signalled = False      # the launcher signalled it: its death is not a mystery
         self._log = log_file
         self._reader = threading.Thread(target=self._pump, args=(echo,), daemon=True,
                                         name=f"log-{replica.name}")
@@ -136,6 +141,7 @@ class _Worker:
         container's PID 1. Its children (DataLoader workers, torchrun's processes) are its
         business: a DataLoader whose workers were terminated behind its back raises in the
         middle of a step instead of letting the emergency checkpoint happen."""
+        self.signalled = True
         try:
             os.kill(self.popen.pid, signal.SIGTERM)
         except (ProcessLookupError, PermissionError):
@@ -143,6 +149,7 @@ class _Worker:
 
     def signal(self, sig: int) -> None:
         """Signal the worker's whole process group and anything that left the group."""
+        self.signalled = True
         try:
             os.killpg(self.popen.pid, sig)
         except (ProcessLookupError, PermissionError):
@@ -568,10 +575,28 @@ class Launcher:
             if rc is None:
                 continue
             del self.workers[name]
-            excerpt = w.finish(self._sweep)
+            outside = w.cause is None and not w.signalled and -rc in _OUTSIDE_SIGNALS
+            excerpt = w.finish(self._sweep)   # (signals what is left of the tree)
             code = exit_code_for(rc)
             cause = w.cause or (Cause.OOM if w.reported_oom and code != 0 else Cause.EXIT)
+            if outside:
+                cause = self._killed_from_outside(w, -rc)
             self._execute(self.machine.worker_exited(name, code, cause, now, excerpt=excerpt))
+
+    def _killed_from_outside(self, w: _Worker, signum: int) -> Cause:
+        """A worker dead of a signal that the launcher did not send and that a program does
+        not raise at itself (SIGKILL, SIGTERM, SIGHUP, SIGINT): the kernel's OOM killer if
+        its count rose meanwhile, else someone killed it from outside, which the platform
+        sees as a lost node (rule 7: restart in place), not as a bug in the code."""
+        name = signal.Signals(signum).name
+        before, after = w.oom_kills_at_start, kernel_oom_kills()
+        if signum == signal.SIGKILL and before is not None and after is not None \
+                and after > before:
+            self.note(f"{w.replica.name}: killed by the kernel's out-of-memory killer "
+                      f"(SIGKILL; the machine ran out of memory)")
+            return Cause.OOM
+        self.note(f"{w.replica.name}: killed by {name} from outside the launcher: a node loss")
+        return Cause.NODE_LOSS
 
     # --- capacity ---------------------------------------------------------------------
 
