@@ -17,7 +17,14 @@ from typing import Any
 from .launcher.chaos import ChaosSpecError, load_chaos, parse_duration
 from .launcher.jobspec import JobSpec, JobSpecError, load_job_spec
 from .launcher.messages import STATUS_INTERNAL, JobState
-from .launcher.policy import PolicyError, Strategy, default_policy, load_policy, without_retries
+from .launcher.policy import (
+    PolicyError,
+    Strategy,
+    default_policy,
+    load_policy,
+    with_platform_defaults,
+    without_retries,
+)
 from .launcher.record import read_job
 from .launcher.resources import detect_gpus, memory_limit_for, parse_memory
 from .launcher.runner import Launcher, LaunchError, LaunchOptions, launcher_alive
@@ -229,7 +236,8 @@ def _options(args: argparse.Namespace, command: tuple[str, ...],
             notes += spec.notes_for("output")
         env.update(spec.env)
         notes += spec.notes_for("env")
-    policy = load_policy(args.policy) if args.policy else default_policy(strategy)
+    policy = (with_platform_defaults(load_policy(args.policy), strategy) if args.policy
+              else default_policy(strategy))
     if disable_retries:
         policy = without_retries(policy)
     return LaunchOptions(

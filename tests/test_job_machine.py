@@ -36,6 +36,7 @@ from resilient_train.launcher.policy import (
     default_policy,
     load_policy,
     policy_from_dict,
+    with_platform_defaults,
 )
 
 T0 = 1_700_000_000.0          # 2023-11-14T22:13:20Z
@@ -485,6 +486,9 @@ def test_restart_job_on_worker_restart_restarts_every_worker_in_the_same_attempt
     assert c.alive == {r: StartWorker(r, 1, 1) for r in replica_names(3)}
     assert c.replica(W1)["restarts"] == 1
     assert c.replica(PRIMARY)["exit_codes"] == [143] and c.replica(PRIMARY)["restarts"] == 0
+    # Restarted with W1, on W1's budget: the record still shows that it was restarted.
+    assert c.replica(PRIMARY)["uncounted_restarts"] == c.replica(W2)["uncounted_restarts"] == 1
+    assert c.replica(W1)["uncounted_restarts"] == 0
     c.fail_n(W2, 4, 137, Cause.NODE_LOSS).exit(W1, 143, Cause.MAINTENANCE)
     assert c.alive[PRIMARY].restart == 6 and len(c.record["attempts"]) == 1
 
@@ -666,6 +670,18 @@ FLAKY_42 = {
 }
 
 
+def test_two_worker_budgets_are_counted_apart() -> None:
+    # Each worker-scoped budget has its own count per replica (they shared one counter).
+    policy = with_platform_defaults(policy_from_dict({
+        "budgets": {"flaky": {"limit": 1, "scope": "worker"}},
+        "rules": [{"match": {"exit_codes": [42]}, "actions": ["restart_worker:flaky"]}]}))
+    c = running(2, policy=policy).exit(W1, 42)
+    c.fail_n(W1, 5, 137, Cause.NODE_LOSS)           # worker_restarts: 5 of 5, flaky untouched
+    assert c.replica(W1)["restarts"] == 6 and len(c.record["attempts"]) == 1
+    assert c.record["budgets"]["worker_restarts"]["used"] == 5
+    assert c.record["budgets"]["flaky"]["used"] == 1
+
+
 def test_a_user_policy_file_changes_behaviour(tmp_path: Path) -> None:
     path = tmp_path / "policy.json"
     path.write_text(json.dumps(FLAKY_42))
@@ -686,6 +702,25 @@ def test_a_user_policy_with_no_matching_rule_fails_the_job() -> None:
     c.assert_ended(JobState.FAILED, 3, (3, user_error(W1, 3)))
     [decision] = [e for e in c.record["events"] if e["kind"] == "decision"]
     assert (decision["rule"], decision["action"]) == ("no rule matched", "fail_job")
+
+
+def test_a_policy_file_names_its_exceptions_and_the_platform_table_does_the_rest() -> None:
+    # What the CLI runs for --policy: the user's rules first, then the platform's table.
+    only_42 = policy_from_dict({"budgets": {"flaky": 1}, "rules": [
+        {"name": "flaky-42", "match": {"exit_codes": [42]},
+         "actions": ["restart_worker:flaky", "fail_job"]}]})
+    policy = with_platform_defaults(only_42)
+    assert policy.budgets["flaky"].limit == 1 and policy.budgets["job_retries"].limit == 3
+    c = running(2, policy=policy).exit(W1, 42)
+    # A restart paid from a job-scoped budget is a restart of the replica all the same.
+    assert c.state is JobState.RUNNING and c.replica(W1)["restarts"] == 1
+    c.exit(W1, 0)  # a worker done: rule 2 of the platform's table, not a failure
+    assert c.replica(W1)["status"] == "done"
+    c.succeed().assert_ended(JobState.SUCCEEDED, 0)
+    # An OOM that the file does not mention is still the platform's permanent OOM.
+    c = running(2, policy=policy).exit(W1, 137, Cause.OOM)
+    c.assert_ended(JobState.FAILED, 137, (3, "The replica workerpool1-0 ran out of memory "
+                                            "and exited with a non-zero status of 137."))
 
 
 def test_worker_actions_in_a_user_policy_skip_job_wide_faults() -> None:

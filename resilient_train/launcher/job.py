@@ -88,9 +88,12 @@ _LIVE = (STARTING, RUNNING, STOPPING)
 @dataclass
 class ReplicaRecord:
     status: str = STARTING
-    restarts: int = 0              # counted against the worker budget
-    uncounted_restarts: int = 0    # maintenance
+    restarts: int = 0              # restarts in this attempt that a budget paid for
+    uncounted_restarts: int = 0    # maintenance; restarted along with a peer (restart-all)
     exit_codes: list[int] = field(default_factory=list)
+    # What this replica spent of each worker-scoped budget in this attempt (not in the
+    # record: the job's budget summary shows the most any replica spent).
+    budget_used: dict[str, int] = field(default_factory=dict)
 
     def to_json(self) -> dict[str, Any]:
         return {"status": self.status, "restarts": self.restarts,
@@ -125,6 +128,7 @@ class _AfterStop:
     state: JobState | None = None
     error: JobError | None = None
     reason: str = ""
+    replica: str | None = None  # restart_all: the replica whose restart restarts all
 
 
 class JobMachine:
@@ -193,7 +197,8 @@ class JobMachine:
                 used = self.budget_used[name]
             else:
                 att = self.attempt
-                used = max((r.restarts for r in att.replicas.values()), default=0) if att else 0
+                used = max((r.budget_used.get(name, 0) for r in att.replicas.values()),
+                           default=0) if att else 0
             out[name] = {"limit": b.limit, "scope": b.scope, "used": used}
         return out
 
@@ -344,15 +349,19 @@ class JobMachine:
                     self.attempts[-1].replicas[outcome.replica].uncounted_restarts += 1
                 return step
             budget = self._policy.budgets[step.budget]
+            rec = (self.attempts[-1].replicas[outcome.replica]
+                   if outcome.replica is not None and self.attempts else None)
             if budget.scope == JOB_SCOPE:
-                if self.budget_used[step.budget] < budget.limit:
-                    self.budget_used[step.budget] += 1
-                    return step
-            elif outcome.replica is not None:
-                rec = self.attempts[-1].replicas[outcome.replica]
-                if rec.restarts < budget.limit:
-                    rec.restarts += 1
-                    return step
+                if self.budget_used[step.budget] >= budget.limit:
+                    continue
+                self.budget_used[step.budget] += 1
+            elif rec is not None and rec.budget_used.get(step.budget, 0) < budget.limit:
+                rec.budget_used[step.budget] = rec.budget_used.get(step.budget, 0) + 1
+            else:
+                continue
+            if step.action is Action.RESTART_WORKER and rec is not None:
+                rec.restarts += 1
+            return step
         return None
 
     def _budget_note(self, step: Step | None, outcome: Outcome) -> str:
@@ -363,7 +372,7 @@ class JobMachine:
             used = self.budget_used[step.budget]
         else:
             assert outcome.replica is not None
-            used = self.attempts[-1].replicas[outcome.replica].restarts
+            used = self.attempts[-1].replicas[outcome.replica].budget_used[step.budget]
         return f", {step.budget} {used}/{budget.limit}"
 
     def _error_for(self, outcome: Outcome, excerpt: str | None) -> JobError:
@@ -387,7 +396,8 @@ class JobMachine:
 
     def _restart_worker(self, replica: str, now: float) -> list[Command]:
         if self.config.restart_job_on_worker_restart:
-            return self._stop_all(_AfterStop("restart_all", reason=f"restart all after {replica}"), now)
+            return self._stop_all(_AfterStop("restart_all", reason=f"restart all after {replica}",
+                                             replica=replica), now)
         return [self._start(replica, now)]
 
     def _start(self, replica: str, now: float, *, first: bool = False) -> StartWorker:
@@ -437,8 +447,13 @@ class JobMachine:
         self._after_stop = None
         if after.kind == "restart_all":
             assert att is not None
-            # A worker that finished (exit 0) is never restarted.
-            return [self._start(name, now) for name, r in att.replicas.items() if r.status != DONE]
+            # A worker that finished (exit 0) is never restarted; the others are restarted
+            # with the one that failed, on its budget.
+            again = [name for name, r in att.replicas.items() if r.status != DONE]
+            for name in again:
+                if name != after.replica:
+                    att.replicas[name].uncounted_restarts += 1
+            return [self._start(name, now) for name in again]
         if att is not None:
             att.end_time = now
             att.result = after.reason

@@ -183,6 +183,15 @@ def default_policy(
     return without_retries(policy) if disable_retries else policy
 
 
+def with_platform_defaults(policy: Policy, strategy: Strategy = Strategy.STANDARD) -> Policy:
+    """A user's policy (its rules first) over the platform's table for ``strategy``: an
+    outcome that none of the user's rules matches gets the platform's behaviour, as a pod
+    failure that no podFailurePolicy rule matches gets Kubernetes' default handling. So a
+    policy file names its exceptions only, and cannot leave an exit 0 or an OOM undecided."""
+    base = default_policy(strategy)
+    return Policy(policy.rules + base.rules, {**base.budgets, **policy.budgets})
+
+
 def without_retries(policy: Policy) -> Policy:
     """``disable_retries``: the job is never retried; worker restarts still happen."""
     retry_budgets = {s.budget for r in policy.rules for s in r.steps if s.action is Action.RETRY_JOB}
