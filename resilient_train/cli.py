@@ -10,7 +10,7 @@ import re
 import secrets
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -37,6 +37,8 @@ _DEFAULT_TIMEOUT = 7 * 24 * 3600.0
 _DEFAULT_MAX_WAIT = 24 * 3600.0
 _TERMINAL = {s.value for s in JobState if s.terminal}
 
+_JOB_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
+
 EPILOG = """\
 exit status: 0 when the job SUCCEEDED; otherwise the root cause's exit code (a worker's
 status, 128+N for death by signal N), 137 out of memory, 69 stockout, 70 internal error,
@@ -52,6 +54,23 @@ def _pool(text: str) -> tuple[str, int]:
             f"expected POOL=COUNT with POOL one of workerpool0..workerpool3, e.g. "
             f"workerpool1=3; found {text!r}")
     return name, int(count)
+
+
+def _argument(parse: Callable[[str], Any], what: str) -> Callable[[str], Any]:
+    """An argparse type from a parser that raises ValueError: argparse would print only
+    "invalid parse_duration value"; this keeps the parser's message (what was expected)."""
+    def convert(text: str) -> Any:
+        try:
+            return parse(text)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+
+    convert.__name__ = what
+    return convert
+
+
+_duration = _argument(parse_duration, "duration")
+_memory = _argument(parse_memory, "memory size")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -80,13 +99,13 @@ def _parser() -> argparse.ArgumentParser:
     lp.add_argument("--gpus-per-worker", type=int, metavar="K", help="(default 0)")
     lp.add_argument("--cpu-slots", type=int, default=0,
                     help="CPU slots this job takes from the machine-wide quota (default 0)")
-    lp.add_argument("--memory-limit", type=parse_memory, metavar="SIZE",
+    lp.add_argument("--memory-limit", type=_memory, metavar="SIZE",
                     help="per-worker memory limit, e.g. 2GiB; exceeding it is the OOM error")
     lp.add_argument("--machine-type", help="e.g. n1-standard-4: implies --memory-limit "
                     "(memory minus the platform's reserved share)")
-    lp.add_argument("--start-jitter", type=parse_duration, default=0.0, metavar="DURATION",
+    lp.add_argument("--start-jitter", type=_duration, default=0.0, metavar="DURATION",
                     help="random delay up to DURATION before each worker starts")
-    lp.add_argument("--grace", type=parse_duration, default=10.0, metavar="DURATION",
+    lp.add_argument("--grace", type=_duration, default=10.0, metavar="DURATION",
                     help="SIGTERM-to-SIGKILL grace period (default 10s)")
     lp.add_argument("--chaos", default="", metavar="SPEC",
                     help="faults to inject: KIND[:REPLICA]@TIME[/GRACE] or KIND~MEAN[xCOUNT], "
@@ -96,11 +115,11 @@ def _parser() -> argparse.ArgumentParser:
     lp.add_argument("--policy", type=Path, help="restart policy JSON file (default: the platform's)")
     lp.add_argument("--strategy", choices=[s.value for s in Strategy],
                     help="(default standard)")
-    lp.add_argument("--max-wait", type=parse_duration, metavar="DURATION",
+    lp.add_argument("--max-wait", type=_duration, metavar="DURATION",
                     help="flex-start: how long to wait for capacity (default 24h, 0 = forever)")
     lp.add_argument("--restart-job-on-worker-restart", action="store_true", default=None)
     lp.add_argument("--disable-retries", action="store_true", default=None)
-    lp.add_argument("--timeout", type=parse_duration, metavar="DURATION",
+    lp.add_argument("--timeout", type=_duration, metavar="DURATION",
                     help="job timeout from RUNNING (default 168h, 0 = none)")
     lp.add_argument("--region", default="local", help="region named in stockout messages")
     lp.add_argument("--seed", type=int, default=0, help="seed for start jitter")
@@ -208,7 +227,13 @@ def _options(args: argparse.Namespace, command: tuple[str, ...],
             raise LaunchError(f"--workers must be at least 1, found {workers}")
         pools = (("workerpool0", 1),) + ((("workerpool1", workers - 1),) if workers > 1 else ())
     name = args.name or _job_name(spec.display_name if spec is not None else None)
+    if not _JOB_NAME.fullmatch(name):
+        raise LaunchError(f"--name {name!r}: a job name is letters, digits, '.', '_' and '-' "
+                          "(it names a directory and the job id), e.g. --name run-7")
     memory = args.memory_limit
+    if memory is not None and memory <= 0:
+        raise LaunchError(f"--memory-limit must be more than 0 bytes, found {memory}; "
+                          "leave it out for no limit")
     if args.machine_type:
         if memory is not None:
             raise LaunchError("give either --memory-limit or --machine-type, not both")
@@ -228,6 +253,9 @@ def _options(args: argparse.Namespace, command: tuple[str, ...],
     timeout = _given(args.timeout, spec.timeout if spec is not None else None, _DEFAULT_TIMEOUT)
     max_wait = _given(args.max_wait, spec.max_wait if spec is not None else None,
                       _DEFAULT_MAX_WAIT)
+    if args.max_wait is not None and strategy is not Strategy.FLEX_START:
+        raise LaunchError(f"--max-wait applies to --strategy flex-start only (this job's "
+                          f"strategy is {strategy.value}); add --strategy flex-start or drop it")
     output_dir = args.output_dir
     env = dict(os.environ)
     if spec is not None:

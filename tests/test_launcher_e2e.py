@@ -763,13 +763,20 @@ def _bad(e2e: E2E, tmp: Path, case: str) -> tuple[list[str], str]:
     if case == "workers-and-pool":
         return (["--workers", "2", "--pool", "workerpool0=1", "--job-dir", job],
                 "either --workers or --pool")
+    if case == "memory-0":
+        return ["--memory-limit", "0", "--job-dir", job], "--memory-limit must be more than 0"
+    if case == "max-wait-standard":
+        return ["--max-wait", "5s", "--job-dir", job], "--max-wait applies to --strategy flex-start"
+    if case == "name-with-slash":
+        return ["--name", "a/b", "--job-dir", job], "a job name is letters, digits"
     raise AssertionError(case)
 
 
 @pytest.mark.parametrize("case", [
     "chaos-kind", "chaos-target", "chaos-rank", "job-dir-under-file", "job-dir-taken",
     "policy-action", "policy-missing", "workers-0", "pool-without-primary", "workers-and-pool",
-    "quota-dir-under-file", "negative-gpus"])
+    "quota-dir-under-file", "negative-gpus", "memory-0", "max-wait-standard",
+    "name-with-slash"])
 def test_bad_input_is_a_clear_usage_error(e2e: E2E, case: str) -> None:
     args, fragment = _bad(e2e, e2e.tmp, case)
     status = cli.main(["launch", *args, "--", PY, str(WORKERS / "hang.py")])
@@ -788,6 +795,19 @@ def test_malformed_pool_is_a_usage_error(e2e: E2E, pool: str) -> None:
     assert exc.value.code == 2
     err = e2e.capsys.readouterr().err
     assert "expected POOL=COUNT" in err and repr(pool) in err
+
+
+@pytest.mark.parametrize(("option", "value", "expected"), [
+    ("--grace", "abc", "expected a duration like 500ms, 20s"),
+    ("--timeout", "-5s", "expected a duration like 500ms, 20s"),
+    ("--memory-limit", "12XB", "expected a memory size like 512M")])
+def test_malformed_duration_or_size_says_what_is_expected(e2e: E2E, option: str, value: str,
+                                                          expected: str) -> None:
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["launch", f"{option}={value}", "--job-dir", str(e2e.tmp / "j"), "--", "true"])
+    assert exc.value.code == 2
+    err = e2e.capsys.readouterr().err
+    assert f"argument {option}: {expected}" in err and repr(value) in err
 
 
 def test_bad_input_through_the_real_cli_process(e2e: E2E) -> None:
