@@ -143,10 +143,33 @@ class ErrorReport:
 
     def excerpt(self, max_lines: int = 12) -> str:
         """The last lines of the traceback, which the platform appends to its error message."""
-        if max_lines <= 0:
-            return ""
-        lines = [line for line in self.traceback.splitlines() if line.strip()]
-        return "\n".join(lines[-max_lines:])
+        return traceback_excerpt(self.traceback, max_lines)
+
+
+TRACEBACK_HEADER = "Traceback (most recent call last):"
+
+
+def traceback_excerpt(text: str, max_lines: int = 12, max_chars: int = 2000) -> str:
+    """The end of a traceback, cut to fit an error message: the header, then the last
+    whole frames (a cut never starts in the middle of one), then the exception line.
+    Lines over 400 characters and a total over ``max_chars`` are shortened with "..."."""
+    if max_lines <= 0:
+        return ""
+    lines = [line for line in text.splitlines() if line.strip()]
+    if len(lines) > max_lines:
+        header = lines[0].startswith(TRACEBACK_HEADER) and max_lines > 1
+        tail = lines[-(max_lines - header):]
+        # Start at a frame ("  File ...") so that no code line or caret line is orphaned.
+        first_frame = next((i for i, line in enumerate(tail[:-1])
+                            if line.startswith("  File ")), None)
+        if first_frame is not None:
+            tail = tail[first_frame:]
+        lines = [TRACEBACK_HEADER, *tail] if header else tail
+    lines = [line if len(line) <= 400 else line[:397] + "..." for line in lines]
+    while len(lines) > 2 and sum(len(line) + 1 for line in lines) > max_chars:
+        del lines[1]   # drop the oldest frames first; keep the header and the exception
+    out = "\n".join(lines)
+    return out if len(out) <= max_chars else out[:max_chars - 3] + "..."
 
 
 def _default_replica() -> str:

@@ -30,6 +30,7 @@ from resilient_train.errors import (
     is_platform_transient,
     read_error_report,
     record,
+    traceback_excerpt,
     write_error_report,
 )
 
@@ -435,3 +436,28 @@ def test_record_sets_process_exit_code(tmp_path: Path) -> None:
     assert result.returncode == EXIT_TRANSIENT and is_platform_transient(result.returncode)
     report = read_error_report(path)
     assert report is not None and report.message == "TransientError: NCCL timeout"
+
+
+def _traceback(frames: int, message: str) -> str:
+    body = "".join(f'  File "train.py", line {i}, in step_{i}\n    call_{i}()\n    ^^^^^^^^\n'
+                   for i in range(frames))
+    return f"Traceback (most recent call last):\n{body}ValueError: {message}"
+
+
+def test_traceback_excerpt_keeps_the_header_and_whole_frames() -> None:
+    lines = traceback_excerpt(_traceback(10, "bad shard 7"), max_lines=8).splitlines()
+    assert lines[0] == "Traceback (most recent call last):"
+    assert lines[1].startswith('  File "train.py"')   # never a caret or code line first
+    assert lines[-1] == "ValueError: bad shard 7"
+    assert lines[-4] == '  File "train.py", line 9, in step_9'
+    assert len(lines) <= 8
+    short = _traceback(1, "x")
+    assert traceback_excerpt(short) == short          # short tracebacks stay whole
+
+
+def test_traceback_excerpt_is_bounded_whatever_the_message() -> None:
+    out = traceback_excerpt(_traceback(10, "y" * 20_000), max_chars=2000)
+    assert len(out) <= 2000
+    lines = out.splitlines()
+    assert lines[0] == "Traceback (most recent call last):"
+    assert lines[-1].startswith("ValueError: yyy") and lines[-1].endswith("...")

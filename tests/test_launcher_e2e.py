@@ -231,6 +231,7 @@ def test_environment_of_a_three_replica_job(e2e: E2E) -> None:
         assert (env["RANK"], env["GROUP_RANK"], env["WORLD_SIZE"]) == (str(rank),) * 2 + ("3",)
         assert env["LOCAL_RANK"] == "0"
         assert env["CLOUD_ML_JOB_ID"] == rec["name"]
+        assert env["CLOUD_ML_PROJECT_ID"].isdigit()  # a project number, as on the platform
         assert env["RESILIENT_TRAIN_REPLICA"] == name
         for var, sub in (("AIP_MODEL_DIR", "model"), ("AIP_CHECKPOINT_DIR", "checkpoints"),
                          ("AIP_TENSORBOARD_LOG_DIR", "logs")):
@@ -557,7 +558,9 @@ def test_a_worker_ignoring_sigterm_is_killed_after_the_grace_period(e2e: E2E) ->
     assert replica(rec, "workerpool1-0")["exit_codes"] == [137]
     waited = event_time(rec, "workerpool1-0: stopped") - event_time(rec, "stopping workerpool1-0")
     assert 0.6 <= waited < 5.0
-    assert "[launcher] workerpool1-0: grace period over, SIGKILL" in out
+    assert any(line.endswith("[launcher] workerpool1-0: grace period over, SIGKILL")
+               and line[:8].count(":") == 2 for line in out.splitlines())  # HH:MM:SS first
+    assert "workerpool1-0: grace period over, SIGKILL" in event_messages(rec)
 
 
 @pytest.mark.parametrize("setsid", [False, True], ids=["same-group", "own-session"])

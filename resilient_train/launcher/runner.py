@@ -27,7 +27,7 @@ from typing import IO, Any
 
 import psutil
 
-from ..errors import exit_code_for, read_error_report
+from ..errors import exit_code_for, read_error_report, traceback_excerpt
 from ..goodput import account
 from ..telemetry import read_life
 from ..ports import free_port
@@ -183,7 +183,7 @@ class _Worker:
             return report.excerpt() or report.message
         lines = list(self.tail)
         starts = [i for i, line in enumerate(lines) if line.startswith("Traceback")]
-        return "\n".join(lines[starts[-1]:][-12:]) if starts else None
+        return traceback_excerpt("\n".join(lines[starts[-1]:])) if starts else None
 
 
 def _load_prctl() -> Any:
@@ -436,7 +436,7 @@ class Launcher:
                     w.signal(signal.SIGKILL)
         for w in list(self.workers.values()):
             if w.kill_at is not None and now >= w.kill_at:
-                self.echo(f"[launcher] {w.replica.name}: grace period over, SIGKILL")
+                self.note(f"{w.replica.name}: grace period over, SIGKILL")
                 w.kill_at = None
                 w.signal(signal.SIGKILL)
         if self.options.memory_limit is not None:

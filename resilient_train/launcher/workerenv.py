@@ -57,6 +57,9 @@ class JobEnv:
     launch_id: str = ""
 
 
+LOCAL_PROJECT_NUMBER = "000000000000"
+
+
 def worker_env(job: JobEnv, replica: Replica, *, attempt: int, restart: int,
                error_file: str, gpu_ids: Sequence[int] | None,
                base: Mapping[str, str], telemetry: str = "",
@@ -76,7 +79,9 @@ def worker_env(job: JobEnv, replica: Replica, *, attempt: int, restart: int,
         "LOCAL_RANK": "0",
         "LOCAL_WORLD_SIZE": "1",
         "CLOUD_ML_JOB_ID": job.job_id,
-        "CLOUD_ML_PROJECT_ID": "local",
+        # The platform sets the project *number*; locally there is none: a number that
+        # no real project has, unless the user's environment names one.
+        "CLOUD_ML_PROJECT_ID": base.get("CLOUD_ML_PROJECT_ID") or LOCAL_PROJECT_NUMBER,
         "AIP_MODEL_DIR": f"{job.output_base}/model/",
         "AIP_CHECKPOINT_DIR": f"{job.output_base}/checkpoints/",
         "AIP_TENSORBOARD_LOG_DIR": f"{job.output_base}/logs/",
