@@ -69,7 +69,9 @@ def run_checkpoints(args: argparse.Namespace) -> int:
             return EXIT_OK if all(i.ok for i in checked) else EXIT_PROBLEMS
         retention = RetentionPolicy(keep_last=args.keep_last,
                                     milestone_every_steps=args.milestone_every_steps)
-        removed = prune(storage, retention, dry_run=args.dry_run)
+        # deep: every checksum of the newest steps, so a corrupt one is never counted
+        # as a step to keep while the good ones behind it are deleted.
+        removed = prune(storage, retention, deep=True, dry_run=args.dry_run)
         verb = "would delete" if args.dry_run else "deleted"
         if args.json:
             print(json.dumps({"dry_run": args.dry_run, "deleted": removed}))

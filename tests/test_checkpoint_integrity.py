@@ -30,6 +30,7 @@ import pytest
 import torch
 from gcs import FaultProxy
 
+from resilient_train import cli
 from resilient_train.checkpoint import manager as manager_mod
 from resilient_train.checkpoint.manager import (
     CheckpointManager,
@@ -404,6 +405,43 @@ def test_retention_keeps_last_two_and_milestones(cheap_backend: Backend) -> None
     st = cheap_backend.storage()
     assert set(committed_names(st)) == {4, 8, 10, 11}
     assert all(verify_step(st, i).ok for i in scan(st))
+
+
+@pytest.mark.parametrize("damage", [_truncate, _flip_byte], ids=["truncated", "flipped"])
+def test_a_corrupt_latest_never_makes_retention_delete_the_good_steps(
+        cheap_backend: Backend, damage: Callable[[Storage, str], None]) -> None:
+    # keep_last=1 and a corrupt newest step: restore falls back to step 4, and the commit
+    # that follows must not count step 6 as "the one to keep" and delete 4 and 5.
+    save_steps(cheap_backend, [2, 4, 6], retention=RetentionPolicy(keep_last=3))
+    st = cheap_backend.storage()
+    damage(st, committed_names(st)[6])
+    tr = Trainer.fresh(seed=7)
+    with cheap_backend.manager(retention=RetentionPolicy(keep_last=1)) as mgr:
+        tr.track(mgr)
+        assert mgr.restore_latest() == 4
+        tr.step()
+        mgr.save(5)
+        mgr.wait()   # retention runs in the background after the commit
+        # 5 is the newest usable step; the broken 6 stays (newer: its save moves it aside).
+        assert set(committed_names(st)) == {5, 6}
+        tr.step()
+        mgr.save(6)
+        mgr.wait()
+    assert set(committed_names(st)) == {6}
+    assert all(verify_step(st, i).ok for i in scan(st) if i.committed)
+    step, _, _ = restore_into_fresh(cheap_backend)
+    assert step == 6
+
+
+def test_cli_prune_verifies_before_it_counts(tmp_path: Any,
+                                             capsys: pytest.CaptureFixture[str]) -> None:
+    backend = Backend("local", str(tmp_path / "ckpt"))
+    save_steps(backend, [2, 4, 6])
+    st = backend.storage()
+    _flip_byte(st, committed_names(st)[6])    # same size: only a checksum finds it
+    assert cli.main(["checkpoints", "prune", backend.url, "--keep-last", "1"]) == 0
+    assert "deleted 1: step-000000000002" in capsys.readouterr().out
+    assert set(committed_names(st)) == {4, 6}
 
 
 def test_retention_never_deletes_the_only_commit(cheap_backend: Backend,

@@ -73,24 +73,40 @@ def test_default_policy_is_steps_or_four_hours() -> None:
 
 # --- what to keep -------------------------------------------------------------------------
 
+def gone(committed: list[CommittedStep], policy: RetentionPolicy) -> list[int]:
+    return [c.step for c in to_delete(committed, policy)]
+
+
+def test_retention_counts_only_usable_steps() -> None:
+    bad = CommittedStep(6, 6.0, usable=False, name="step-6")
+    good = [CommittedStep(n, float(n), name=f"step-{n}") for n in (2, 4, 5)]
+    # The broken newest step does not count and stays (newer than every usable one).
+    assert gone([*good, bad], RetentionPolicy(keep_last=1)) == [2, 4]
+    # Once a usable step as new exists (object stores keep both directories), it goes.
+    redo = CommittedStep(6, 7.0, name="step-6-a1b2")
+    assert [c.name for c in to_delete([*good, bad, redo], RetentionPolicy(keep_last=1))] == [
+        "step-2", "step-4", "step-5", "step-6"]
+    assert gone([bad], RetentionPolicy(keep_last=1)) == []   # nothing usable: keep it
+
+
 def steps(*numbers: int) -> list[CommittedStep]:
     return [CommittedStep(n, float(n)) for n in numbers]
 
 
 def test_retention_keeps_the_last_k() -> None:
-    assert to_delete(steps(1, 2, 3, 4, 5), RetentionPolicy(keep_last=3)) == [1, 2]
-    assert to_delete(steps(7), RetentionPolicy(keep_last=1)) == []
+    assert gone(steps(1, 2, 3, 4, 5), RetentionPolicy(keep_last=3)) == [1, 2]
+    assert gone(steps(7), RetentionPolicy(keep_last=1)) == []
     with pytest.raises(ValueError, match="one committed step always stays"):
         RetentionPolicy(keep_last=0)
 
 
 def test_retention_keeps_step_and_time_milestones_forever() -> None:
     policy = RetentionPolicy(keep_last=1, milestone_every_steps=100)
-    assert to_delete(steps(50, 100, 150, 200, 250), policy) == [50, 150]
+    assert gone(steps(50, 100, 150, 200, 250), policy) == [50, 150]
     timed = RetentionPolicy(keep_last=1, milestone_every_seconds=100)
     # commits at t=10, 20 (same window), 110, 120 (next window), 130: the first of each stays
     commits = [CommittedStep(s, t) for s, t in [(1, 10), (2, 20), (3, 110), (4, 120), (5, 130)]]
-    assert to_delete(commits, timed) == [2, 4]
+    assert gone(commits, timed) == [2, 4]
 
 
 # --- manifest -----------------------------------------------------------------------------
@@ -151,12 +167,13 @@ def test_cli_list_verify_and_prune(tmp_path: Path, capsys: pytest.CaptureFixture
     out = capsys.readouterr().out
     assert "CORRUPT" in out and "checksum mismatch" in out
 
+    # The corrupt step 4 does not count as the one to keep: step 3 is kept with it.
     assert cli.main(["checkpoints", "prune", str(directory), "--keep-last", "1",
                      "--dry-run"]) == 0
-    assert "would delete 2" in capsys.readouterr().out
+    assert f"would delete 1: {step_dirname(2)}" in capsys.readouterr().out
     assert sorted(p.name for p in directory.iterdir()) == [step_dirname(s) for s in (2, 3, 4)]
     assert cli.main(["checkpoints", "prune", str(directory), "--keep-last", "1"]) == 0
-    assert sorted(p.name for p in directory.iterdir()) == [step_dirname(4)]
+    assert sorted(p.name for p in directory.iterdir()) == [step_dirname(s) for s in (3, 4)]
 
 
 def test_cli_verify_of_a_missing_step_is_a_usage_error(

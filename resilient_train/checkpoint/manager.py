@@ -26,7 +26,7 @@ import queue
 import signal
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any, BinaryIO
@@ -245,6 +245,11 @@ class CheckpointManager:
         self._lock = threading.Lock()
         self.last_saved_step: int | None = None
         self.last_commit_step: int | None = None
+        # For retention: steps known to verify (the last commit, the restored one) and
+        # committed steps that the restore found broken; neither is checked again.
+        self._known_good: set[str] = set()
+        self._known_bad: set[str] = set()
+        self._restored_name: tuple[str, ...] = ()
         self.last_blocking_s = 0.0
         # What a save costs the training loop (waiting for the previous one, the snapshot,
         # the write when blocking), an EMA: SaveContext.save_cost_s, for auto_interval.
@@ -464,7 +469,10 @@ class CheckpointManager:
                     self.storage.rename_dir(final, f"{TMP_PREFIX}{final}-{os.urandom(4).hex()}")
                 self.storage.rename_dir(work, final)  # the commit; fsyncs the parent
         self.last_commit_step = step
-        log.info("checkpoint step %d committed to %s", step, self.storage.url_of(final))
+        committed_as = final if self.storage.atomic_rename else work
+        self._known_good = {committed_as, *self._restored_name}
+        self._known_bad.discard(committed_as)   # a broken one of this name was moved aside
+        log.info("checkpoint step %d committed to %s", step, self.storage.url_of(committed_as))
 
     def _write_file(self, rel: str, obj: Any) -> FileEntry:
         # Files of a temporary step directory need no rename of their own: the directory's
@@ -485,7 +493,8 @@ class CheckpointManager:
             return
         # The step is committed: a failure to clean up must not report the save as failed.
         try:
-            prune(self.storage, self.options.retention, protect=self._token)
+            prune(self.storage, self.options.retention, protect=self._token,
+                  known_good=self._known_good, known_bad=self._known_bad)
         except Exception as exc:  # noqa: BLE001 - retried after the next commit
             log.warning("retention after a commit failed (retried after the next one): %s", exc)
 
@@ -511,7 +520,10 @@ class CheckpointManager:
             if self.coord.allreduce_max([0 if loaded else 1])[0] == 0 and loaded is not None:
                 manifest, shared, mine = loaded
                 self._apply(manifest, shared, mine, strict)
+                self._restored_name = (name,)
+                self._known_good = {name}
                 return step
+            self._known_bad.add(name)
             log.warning("checkpoint %s does not verify%s; trying the previous one",
                         self.storage.url_of(name), f": {problems[-1]}" if problems else
                         " on another rank")
@@ -701,22 +713,47 @@ def scan(storage: Storage, *, with_manifest: bool = True) -> list[StepInfo]:
 
 
 def prune(storage: Storage, retention: RetentionPolicy, *, protect: str | None = None,
-          dry_run: bool = False) -> list[str]:
+          known_good: Collection[str] = (), known_bad: Collection[str] = (),
+          deep: bool = False, dry_run: bool = False) -> list[str]:
     """Apply retention to committed steps and drop uncommitted leftovers older than the
-    latest commit (crashed saves). Never deletes without a newer commit, nor a directory
-    whose name carries ``protect`` (a save in flight). Returns the names deleted."""
+    latest commit (crashed saves). Never deletes without a newer usable commit, nor a
+    directory whose name carries ``protect`` (a save in flight). Returns the names deleted.
+
+    Only usable steps count towards ``keep_last``. From the newest down, until
+    ``keep_last`` usable ones are found, each step is checked: names in ``known_good``
+    (the manager's last commit and restore) pass, names in ``known_bad`` (those its restore
+    skipped) fail, others get the structural check (marker, manifest, file sizes), or
+    with ``deep`` every checksum as ``verify`` does.
+    """
     # Commit times are read only when time milestones need them (a request per step).
     infos = scan(storage, with_manifest=retention.milestone_every_seconds is not None)
     committed = [i for i in infos if i.committed]
     if not committed:
         return []
+    usable: dict[str, bool] = {}
+    found, last_found = 0, None
+    for info in reversed(committed):
+        # Past keep_last usable steps, but not past another directory of the same step.
+        if found >= retention.keep_last and info.step != last_found:
+            break
+        problems = [] if info.name in known_good else (
+            ["it did not verify when restoring"] if info.name in known_bad
+            else _usability_problems(storage, info, deep))
+        usable[info.name] = not problems
+        if not problems:
+            found, last_found = found + 1, info.step
+        if problems:
+            log.warning("checkpoint %s does not verify (%s): retention does not count it",
+                        storage.url_of(info.name), "; ".join(problems)[:300])
     latest = max(i.step for i in committed)
-    doomed = set(to_delete([CommittedStep(i.step, i.created or 0.0) for i in committed],
-                           retention))
+    doomed = {c.name for c in to_delete(
+        [CommittedStep(i.step, i.created or 0.0, usable.get(i.name, True), i.name)
+         for i in committed], retention)}
     removed = []
     for info in infos:
-        if info.committed and info.step in doomed:
-            reason = "retention"
+        if info.committed and info.name in doomed:
+            reason = "retention" if usable.get(info.name, True) else \
+                "does not verify, and a step as new or newer does"
         elif (not info.committed and info.step < latest
               and (protect is None or protect not in info.name)):
             reason = "uncommitted leftover"
@@ -732,6 +769,17 @@ def prune(storage: Storage, retention: RetentionPolicy, *, protect: str | None =
             storage.delete(info.name, recursive=True)
         removed.append(info.name)
     return removed
+
+
+def _usability_problems(storage: Storage, info: StepInfo, deep: bool) -> list[str]:
+    if deep:
+        return list(verify_step(storage, info).problems)
+    try:
+        manifest = read_manifest(storage, info.name, info.step)
+    except CorruptCheckpointError as exc:
+        return [str(exc)]
+    return _structural_problems(manifest, set(_list_files(storage, info.name)), storage,
+                                info.name)
 
 
 def verify_step(storage: Storage, info: StepInfo) -> StepInfo:

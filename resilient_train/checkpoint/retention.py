@@ -21,21 +21,31 @@ class RetentionPolicy:
 @dataclass(frozen=True)
 class CommittedStep:
     step: int
-    time: float  # commit time, epoch seconds
+    time: float          # commit time, epoch seconds
+    usable: bool = True  # False: committed but does not verify (truncated, corrupt)
+    name: str = ""       # its directory: object stores may hold two of one step
 
 
-def to_delete(committed: Sequence[CommittedStep], policy: RetentionPolicy) -> list[int]:
+def to_delete(committed: Sequence[CommittedStep], policy: RetentionPolicy
+              ) -> list[CommittedStep]:
     """Steps that may go. Only committed steps are considered, so an old step is deleted
-    only once newer ones exist; the newest ``keep_last`` and every milestone stay."""
-    ordered = sorted(committed, key=lambda c: c.step)
-    keep = {c.step for c in ordered[-policy.keep_last:]}
+    only once newer ones exist; the newest ``keep_last`` *usable* steps and every milestone
+    stay. A step that does not verify never counts towards ``keep_last`` (counting it
+    would delete the good ones that a restore falls back to); it goes once a usable step
+    as new or newer exists, and stays while newer (the save of that step moves it aside)."""
+    ordered = sorted(committed, key=lambda c: (c.step, c.name))
+    usable = [c for c in ordered if c.usable]
+    keep = set(usable[-policy.keep_last:])
+    newest_usable = usable[-1].step if usable else None
+    keep |= {c for c in ordered
+             if not c.usable and (newest_usable is None or c.step > newest_usable)}
     if policy.milestone_every_steps:
-        keep |= {c.step for c in ordered if c.step % policy.milestone_every_steps == 0}
+        keep |= {c for c in usable if c.step % policy.milestone_every_steps == 0}
     if policy.milestone_every_seconds:
         windows: set[int] = set()
-        for c in sorted(ordered, key=lambda c: (c.time, c.step)):
+        for c in sorted(usable, key=lambda c: (c.time, c.step)):
             window = int(c.time // policy.milestone_every_seconds)
             if window not in windows:
                 windows.add(window)
-                keep.add(c.step)
-    return [c.step for c in ordered if c.step not in keep]
+                keep.add(c)
+    return [c for c in ordered if c not in keep]
