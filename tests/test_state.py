@@ -495,6 +495,37 @@ def test_optimizer_param_count_mismatch_message_exact() -> None:
         restore({"opt": two_groups}, ckpt)
 
 
+def _stepped_adamw(model: torch.nn.Module) -> torch.optim.Optimizer:
+    opt = torch.optim.AdamW(model.parameters())
+    model(torch.randn(2, model.in_features)).sum().backward()
+    opt.step()
+    return opt
+
+
+def test_optimizer_state_of_another_model_with_as_many_params_is_refused() -> None:
+    # Linear(4, 3) and Linear(5, 3) both have 2 parameters: only the state's shapes differ,
+    # and torch would load it and fail at the first step() with a size error.
+    ckpt = {"opt": _stepped_adamw(torch.nn.Linear(4, 3)).state_dict()}
+    other = torch.optim.AdamW(torch.nn.Linear(5, 3).parameters())
+    before = other.state_dict()
+    with pytest.raises(StateMismatchError) as err:
+        restore({"opt": other}, ckpt)
+    text = str(err.value)
+    assert "state shape mismatches, 2:" in text
+    assert "param 0 exp_avg: checkpoint (3, 4) vs parameter (3, 5)" in text
+    assert other.state_dict() == before   # nothing loaded
+
+
+def test_optimizer_state_of_another_optimizer_class_is_refused() -> None:
+    model = torch.nn.Linear(4, 3)
+    ckpt = {"opt": _stepped_adamw(model).state_dict()}
+    with pytest.raises(StateMismatchError, match=r"the checkpoint's .*betas.*; this "
+                                                 r"optimizer's .*momentum.*another optimizer"):
+        restore({"opt": torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)}, ckpt)
+    # Adam and AdamW share their hyperparameters and state: that restore is allowed.
+    assert restore({"opt": torch.optim.Adam(model.parameters())}, ckpt) == {}
+
+
 def test_tracked_names_mismatch(caplog: pytest.LogCaptureFixture) -> None:
     model = torch.nn.Linear(2, 2)
     with pytest.raises(StateMismatchError) as err:

@@ -669,6 +669,41 @@ def _optimizer_problems(name: str, opt: torch.optim.Optimizer, sd: Any) -> list[
         for i, (c, g) in enumerate(zip(ck_groups, groups))
         if len(c["params"]) != len(g["params"])
     ]
-    if not diffs:
+    if diffs:
+        return [head, f"    param count mismatches, {len(diffs)}:", *_listing(diffs, "      "),
+                fix]
+    lines = _optimizer_kind_problems(ck_groups, groups) + _optimizer_shape_problems(
+        ck_groups, groups, sd["state"])
+    return [head, *lines, fix] if lines else []
+
+
+def _optimizer_kind_problems(ck_groups: list[Any], groups: list[dict[str, Any]]) -> list[str]:
+    """Hyperparameter names that differ both ways: another optimizer class wrote it (SGD's
+    momentum against Adam's betas). One-way differences are torch versions adding options,
+    which load_state_dict fills with defaults."""
+    for i, (c, g) in enumerate(zip(ck_groups, groups)):
+        ours, theirs = set(g) - {"params"}, set(c) - {"params"}
+        if ours - theirs and theirs - ours:
+            return [f"    param group {i} has other hyperparameters: the checkpoint's "
+                    f"{', '.join(sorted(theirs - ours))}; this optimizer's "
+                    f"{', '.join(sorted(ours - theirs))} (written by another optimizer class?)"]
+    return []
+
+
+def _optimizer_shape_problems(ck_groups: list[Any], groups: list[dict[str, Any]],
+                              ck_state: Any) -> list[str]:
+    """Per-parameter state (exp_avg, momentum_buffer ...) whose shape is not its parameter's:
+    the same number of parameters, but of another model."""
+    if not isinstance(ck_state, Mapping):
         return []
-    return [head, f"    param count mismatches, {len(diffs)}:", *_listing(diffs, "      "), fix]
+    shapes = []
+    for c, g in zip(ck_groups, groups):
+        for index, param in zip(c["params"], g["params"]):
+            for key, value in (ck_state.get(index) or {}).items():
+                if isinstance(value, torch.Tensor) and value.dim() > 0 \
+                        and value.shape != param.shape:
+                    shapes.append(f"param {index} {key}: checkpoint {tuple(value.shape)} vs "
+                                  f"parameter {tuple(param.shape)}")
+    if not shapes:
+        return []
+    return [f"    state shape mismatches, {len(shapes)}:", *_listing(shapes, "      ")]
