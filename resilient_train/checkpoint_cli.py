@@ -54,6 +54,7 @@ def _print(infos: list[StepInfo], as_json: bool) -> None:
 def run_checkpoints(args: argparse.Namespace) -> int:
     try:
         storage = Storage(args.directory)
+        storage.check_readable()   # "no checkpoints" must mean that, not a typo in the path
         infos = scan(storage)
         if args.action == "list":
             _print(infos, args.json)

@@ -176,6 +176,14 @@ def test_cli_list_verify_and_prune(tmp_path: Path, capsys: pytest.CaptureFixture
     assert sorted(p.name for p in directory.iterdir()) == [step_dirname(s) for s in (3, 4)]
 
 
+@pytest.mark.parametrize("action", ["list", "verify", "prune"])
+def test_cli_on_a_path_that_is_not_there_is_an_error(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], action: str) -> None:
+    # "no checkpoints" with exit 0 for a typo in the path would hide the mistake.
+    assert cli.main(["checkpoints", action, str(tmp_path / "typo")]) == 2
+    assert "typo does not exist" in capsys.readouterr().err
+
+
 def test_cli_verify_of_a_missing_step_is_a_usage_error(
         tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     directory = saved_dir(tmp_path, 1)

@@ -461,6 +461,26 @@ def test_missing_bucket_fails_check_writable(gcs_server: Any) -> None:
     assert url in str(info.value) and "create it" in str(info.value)
 
 
+def test_check_readable_names_a_missing_bucket_but_accepts_an_empty_prefix(
+        gcs_server: Any, gcs_bucket: Any) -> None:
+    opts = {"endpoint_url": gcs_server.endpoint}
+    missing = Storage(f"gs://no-such-bucket-{uuid.uuid4().hex[:8]}/run1", retry=FAST,
+                      storage_options=opts)
+    with pytest.raises(StorageNotFoundError, match=r"bucket gs://no-such-bucket-\w+ does not"):
+        missing.check_readable()
+    Storage(f"{gcs_bucket.url}/nothing-saved-yet", retry=FAST,
+            storage_options=dict(gcs_bucket.storage_options)).check_readable()
+
+
+def test_check_readable_of_local_paths(tmp_path: Any) -> None:
+    Storage(str(tmp_path)).check_readable()
+    with pytest.raises(StorageNotFoundError, match="does not exist; check the path"):
+        Storage(str(tmp_path / "typo")).check_readable()
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(StorageNotFoundError, match="is a file, not a checkpoint directory"):
+        Storage(str(tmp_path / "file")).check_readable()
+
+
 # --- GCS through the fault proxy ----------------------------------------------------------
 
 

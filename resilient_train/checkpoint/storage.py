@@ -796,6 +796,33 @@ class Storage:
             path = self._local(rel)
             self._retrying("fsync", rel, lambda _t: _fsync_directory(path))
 
+    def check_readable(self) -> None:
+        """Fail with a clear error when the root cannot hold checkpoints to read: a local
+        path that does not exist or is a file, or a bucket that does not exist. (An empty
+        prefix in an existing bucket is fine: nothing has been saved there yet.)"""
+        if self._fs is None:
+            if os.path.isdir(self._root):
+                return
+            if os.path.exists(self._root):
+                raise StorageNotFoundError(
+                    f"{self._url} is a file, not a checkpoint directory; pass the directory "
+                    "that holds the step-* directories", url=self._url, operation="check")
+            raise StorageNotFoundError(
+                f"{self._url} does not exist; check the path (the checkpoint directory is "
+                "AIP_CHECKPOINT_DIR, or ./checkpoints by default)", url=self._url,
+                operation="check")
+        bucket = self._root.split("/", 1)[0]
+        if self._protocol in ("gs", "gcs") and bucket:
+            def check(t: float | None) -> None:
+                self._fs_call("info", bucket, timeout=t)
+
+            try:
+                self._retrying("check", "", check)
+            except StorageNotFoundError:
+                raise StorageNotFoundError(
+                    f"bucket gs://{bucket} does not exist (from {self._url}); check the "
+                    "bucket name and project", url=self._url, operation="check") from None
+
     def check_writable(self) -> None:
         """Write and delete a probe under the root, so a missing bucket or a permission
         problem fails now with a clear error, not at the first save hours later."""
