@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import datetime
 import logging
+import socket
 import time
 import uuid
 from collections.abc import Callable, Sequence
@@ -131,6 +132,10 @@ class Rendezvous:
         address = resolve(self.host, self.port, what=what,
                           deadline_s=max(0.0, deadline - time.monotonic()), **kwargs)
         remaining = deadline - time.monotonic()
+        # A plain connect first: while nothing listens, a refused TCPStore connect prints a
+        # C++ stack trace per attempt (thousands of lines over a long wait for the primary).
+        socket.create_connection((address, self.port), timeout=min(1.0, max(remaining, 0.1))
+                                 ).close()
         # Short attempts: torch's own retry inside one attempt backs off to seconds, which is
         # how long a worker would then lag behind a primary that is already up.
         store = dist.TCPStore(address, self.port, is_master=False,
