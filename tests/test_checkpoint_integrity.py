@@ -433,6 +433,20 @@ def test_a_corrupt_latest_never_makes_retention_delete_the_good_steps(
     assert step == 6
 
 
+def test_a_fresh_start_says_so_and_points_at_steps_one_level_down(
+        tmp_path: Any, caplog: pytest.LogCaptureFixture) -> None:
+    save_steps(Backend("local", str(tmp_path / "run" / "checkpoints")), [2])
+    with caplog.at_level(logging.INFO, logger=LOGGER):
+        step, _, _ = restore_into_fresh(Backend("local", str(tmp_path / "run")))
+    assert step is None
+    assert "checkpoints holds step directories: is the checkpoint directory one level too " \
+           "high?" in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger=LOGGER):
+        restore_into_fresh(Backend("local", str(tmp_path / "new")))
+    assert "no checkpoint in" in caplog.text and "starting from step 0" in caplog.text
+
+
 def test_cli_prune_verifies_before_it_counts(tmp_path: Any,
                                              capsys: pytest.CaptureFixture[str]) -> None:
     backend = Backend("local", str(tmp_path / "ckpt"))

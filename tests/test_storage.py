@@ -472,6 +472,13 @@ def test_check_readable_names_a_missing_bucket_but_accepts_an_empty_prefix(
             storage_options=dict(gcs_bucket.storage_options)).check_readable()
 
 
+def test_check_writable_of_a_path_under_a_file_names_the_file(tmp_path: Any) -> None:
+    (tmp_path / "file").write_text("x")
+    for url in (tmp_path / "file", tmp_path / "file" / "ckpt"):
+        with pytest.raises(StorageNotFoundError, match=f"{tmp_path / 'file'} is a file"):
+            Storage(str(url)).check_writable()
+
+
 def test_check_readable_of_local_paths(tmp_path: Any) -> None:
     Storage(str(tmp_path)).check_readable()
     with pytest.raises(StorageNotFoundError, match="does not exist; check the path"):

@@ -533,7 +533,32 @@ class CheckpointManager:
                 + "; ".join(problems[:5])
                 + ". Refusing to start from scratch silently: fix or move the directory, "
                 "or pass a new checkpoint directory to start over.")
+        if self.is_primary:
+            self._explain_fresh_start()
         return None
+
+    def _explain_fresh_start(self) -> None:
+        """One line on a fresh start, and a warning where the directory suggests a mistake:
+        only uncommitted steps (every save crashed), or step directories one level down."""
+        try:
+            infos = scan(self.storage, with_manifest=False)
+            nested = [] if infos else [
+                child for child in self.storage.listdir("")[:20]
+                if any(parse_step(g) is not None for g in self.storage.listdir(child)[:50])]
+        except Exception as exc:  # noqa: BLE001 - a hint must not fail the restore
+            log.debug("could not look for hints in %s: %s", self.storage.url, exc)
+            infos, nested = [], []
+        if infos:
+            log.warning("no committed checkpoint in %s, only %d uncommitted step "
+                        "director%s (saves that never finished): starting from step 0",
+                        self.storage.url, len(infos), "y" if len(infos) == 1 else "ies")
+        elif nested:
+            log.warning("no checkpoint in %s, but %s hold%s step directories: is the "
+                        "checkpoint directory one level too high? Starting from step 0",
+                        self.storage.url, ", ".join(self.storage.url_of(n) for n in nested),
+                        "s" if len(nested) == 1 else "")
+        else:
+            log.info("no checkpoint in %s: starting from step 0", self.storage.url)
 
     def _load_step(self, step: int, name: str
                    ) -> tuple[Manifest, dict[str, Any], dict[str, Any] | None]:

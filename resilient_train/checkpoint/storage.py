@@ -828,6 +828,13 @@ class Storage:
         problem fails now with a clear error, not at the first save hours later."""
         probe = f"{PROBE_PREFIX}{uuid.uuid4().hex[:12]}"
         if self._fs is None:
+            blocker = next((path for path in _ancestors(self._root)
+                            if os.path.exists(path) and not os.path.isdir(path)), None)
+            if blocker is not None:
+                raise StorageNotFoundError(
+                    f"cannot use {self._url} as a checkpoint directory: {blocker} is a file; "
+                    "pass a directory path (it is created if missing)", url=self._url,
+                    operation="check_writable")
             self._retrying("check_writable", probe,
                            lambda _t: self._write_local(probe, b"probe", durable=False))
         else:
@@ -836,6 +843,14 @@ class Storage:
                            lambda t: self._fs_call("pipe_file", path, b"probe", timeout=t))
         self.delete(probe)
         logger.debug("storage %s is writable", self._url)
+
+
+def _ancestors(path: str) -> list[str]:
+    """``path`` and each directory above it, nearest first."""
+    out = [path]
+    while os.path.dirname(out[-1]) != out[-1]:
+        out.append(os.path.dirname(out[-1]))
+    return out
 
 
 class _RangeReader(io.RawIOBase):
