@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import json
 import sys
 from typing import Any
 
-from .checkpoint.manager import StepInfo, prune, scan, verify_step
+from .checkpoint.manager import StepInfo, prune, scan, structural_problems, verify_step
 from .checkpoint.retention import RetentionPolicy
 from .checkpoint.storage import Storage, StorageError
 
@@ -51,13 +52,22 @@ def _print(infos: list[StepInfo], as_json: bool) -> None:
             print(f"{'':>14}- {p}")
 
 
+def _structurally_checked(storage: Storage, info: StepInfo) -> StepInfo:
+    if not info.ok:
+        return info
+    problems = structural_problems(storage, info)
+    return dataclasses.replace(info, problems=tuple(problems)) if problems else info
+
+
 def run_checkpoints(args: argparse.Namespace) -> int:
     try:
         storage = Storage(args.directory)
         storage.check_readable()   # "no checkpoints" must mean that, not a typo in the path
         infos = scan(storage)
         if args.action == "list":
-            _print(infos, args.json)
+            # The cheap checks (files present, sizes as the manifest says); verify reads
+            # every byte for the checksums.
+            _print([_structurally_checked(storage, i) for i in infos], args.json)
             return EXIT_OK
         if args.action == "verify":
             chosen = [i for i in infos if args.step is None or i.step == args.step]

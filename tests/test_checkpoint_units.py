@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import os
+import shutil
 from pathlib import Path
 
 import pytest
@@ -159,6 +161,12 @@ def test_cli_list_verify_and_prune(tmp_path: Path, capsys: pytest.CaptureFixture
     assert cli.main(["checkpoints", "verify", str(directory)]) == 0
     assert capsys.readouterr().out.count(" ok ") == 3
 
+    shard = directory / step_dirname(3) / "shared.pt"
+    os.truncate(shard, 100)          # list sees a truncated file without reading it
+    assert cli.main(["checkpoints", "list", str(directory)]) == 0
+    assert "is 100 bytes, the manifest says" in capsys.readouterr().out
+    shutil.rmtree(directory / step_dirname(3))
+
     shard = directory / step_dirname(4) / "shared.pt"
     data = bytearray(shard.read_bytes())
     data[len(data) // 2] ^= 0xFF                        # a flipped byte, same size
@@ -167,13 +175,13 @@ def test_cli_list_verify_and_prune(tmp_path: Path, capsys: pytest.CaptureFixture
     out = capsys.readouterr().out
     assert "CORRUPT" in out and "checksum mismatch" in out
 
-    # The corrupt step 4 does not count as the one to keep: step 3 is kept with it.
+    # The corrupt step 4 does not count as the one to keep: step 2 is kept with it.
     assert cli.main(["checkpoints", "prune", str(directory), "--keep-last", "1",
                      "--dry-run"]) == 0
-    assert f"would delete 1: {step_dirname(2)}" in capsys.readouterr().out
-    assert sorted(p.name for p in directory.iterdir()) == [step_dirname(s) for s in (2, 3, 4)]
+    assert "would delete 0: nothing" in capsys.readouterr().out
+    assert sorted(p.name for p in directory.iterdir()) == [step_dirname(s) for s in (2, 4)]
     assert cli.main(["checkpoints", "prune", str(directory), "--keep-last", "1"]) == 0
-    assert sorted(p.name for p in directory.iterdir()) == [step_dirname(s) for s in (3, 4)]
+    assert sorted(p.name for p in directory.iterdir()) == [step_dirname(s) for s in (2, 4)]
 
 
 @pytest.mark.parametrize("action", ["list", "verify", "prune"])

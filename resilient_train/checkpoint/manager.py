@@ -797,8 +797,13 @@ def prune(storage: Storage, retention: RetentionPolicy, *, protect: str | None =
 
 
 def _usability_problems(storage: Storage, info: StepInfo, deep: bool) -> list[str]:
-    if deep:
-        return list(verify_step(storage, info).problems)
+    return list(verify_step(storage, info).problems) if deep else structural_problems(
+        storage, info)
+
+
+def structural_problems(storage: Storage, info: StepInfo) -> list[str]:
+    """The cheap checks of a committed step: marker, manifest, every file present at its
+    size (no checksums: :func:`verify_step` reads every byte)."""
     try:
         manifest = read_manifest(storage, info.name, info.step)
     except CorruptCheckpointError as exc:
