@@ -301,6 +301,7 @@ class ClusterInfo:
             spec = None
         if spec is not None:
             pool, index = spec.pool, spec.index
+            _warn_if_contradicting(spec, group_rank, common["local_world_size"])
             addr, port = _split_address(
                 (spec.cluster.get("workerpool0") or spec.cluster["workerpool1"])[0],
                 spec.var,
@@ -321,6 +322,23 @@ class ClusterInfo:
             group_rank=group_rank,
             **common,
         )
+
+
+def _warn_if_contradicting(spec: Any, group_rank: int, local_world_size: int) -> None:
+    """RANK says one replica and the cluster description another: usually a RANK baked
+    into an image or a job spec, and then two replicas take the same rank and fail with
+    errors that point elsewhere (a port in use, a rank that never arrived). RANK wins,
+    as torchrun's variables always do; say so."""
+    if spec.pool not in ("workerpool0", "workerpool1"):
+        return
+    primaries = len(spec.cluster.get("workerpool0", []))
+    spec_rank = 0 if spec.pool == "workerpool0" else primaries + spec.index
+    if group_rank != spec_rank:
+        logger.warning(
+            "%s says this replica is %s-%d (rank %d), but %s=%d: %s wins. If the variable "
+            "was set by hand (an image's ENV, a job spec), remove it", spec.var, spec.pool,
+            spec.index, spec_rank, "GROUP_RANK" if local_world_size > 1 else "RANK",
+            group_rank, "GROUP_RANK" if local_world_size > 1 else "RANK")
 
 
 def _normalise_cluster(cluster: Mapping[str, Sequence[str]]) -> dict[str, list[str]]:

@@ -82,6 +82,21 @@ def test_torchrun_takes_name_and_master_from_cluster_spec() -> None:
     assert (info.master_addr, info.master_port) == ("wp0-0", 2222)
 
 
+def test_rank_that_contradicts_the_cluster_spec_is_named(
+        caplog: pytest.LogCaptureFixture) -> None:
+    # A RANK=0 baked into an image makes every replica rank 0; the errors that follow (a
+    # port in use, a rank that never came) point elsewhere, so this says it first.
+    with caplog.at_level(logging.WARNING, logger="resilient_train.cluster"):
+        ClusterInfo.from_env({"RANK": "0", "WORLD_SIZE": "2",
+                              "CLUSTER_SPEC": spec(FULL, "workerpool1", 0)})
+    assert "says this replica is workerpool1-0 (rank 1), but RANK=0: RANK wins" in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="resilient_train.cluster"):
+        ClusterInfo.from_env({"RANK": "1", "WORLD_SIZE": "2",
+                              "CLUSTER_SPEC": spec(FULL, "workerpool1", 0)})
+    assert caplog.text == ""
+
+
 def test_lone_world_size_defers_to_cluster_spec() -> None:
     # The launcher's environment for a parameter server or evaluator: WORLD_SIZE, no RANK.
     env = {
