@@ -83,3 +83,8 @@ def __getattr__(name: str) -> Any:
     value = getattr(importlib.import_module(module), name)
     globals()[name] = value
     return value
+
+
+def __dir__() -> list[str]:
+    # The lazily loaded names too: dir() and tab completion show the whole API.
+    return sorted(set(globals()) | set(__all__))

@@ -103,7 +103,11 @@ def _parse_spec(var: str, raw: str) -> _Spec:
     """Parse and validate CLUSTER_SPEC or TF_CONFIG; any defect is a ClusterSpecError."""
     is_tf = var == TF_CONFIG_ENV
     names = TF_TYPE_TO_POOL if is_tf else {p: p for p in POOLS}
-    fix = f"Fix {var} (PLATFORM.md section 6 shows its shape) or unset it."
+    shape = ('{"cluster": {"chief": ["host:2222"], "worker": [...]}, "task": {"type": '
+             '"chief", "index": 0}}' if is_tf else
+             '{"cluster": {"workerpool0": ["host:2222"], "workerpool1": [...]}, "task": '
+             '{"type": "workerpool0", "index": 0}}')
+    fix = f"Fix {var} (its shape: {shape}) or unset it."
     try:
         data = json.loads(raw)
     except (ValueError, RecursionError) as exc:

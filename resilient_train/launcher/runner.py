@@ -608,7 +608,9 @@ class Launcher:
         if self._lease is None and self._request != Request():
             if not self._quota.fits_ever(self._request):
                 cmds = self.machine.no_capacity(now)
-                if self.machine.state is JobState.QUEUED and not self._quota_note_shown:
+                # Only a job that waits (flex-start) says so; the others fail as a stockout.
+                if self.machine.state is JobState.QUEUED and not self._quota_note_shown \
+                        and self.machine.config.strategy is Strategy.FLEX_START:
                     self._quota_note_shown = True
                     self.echo(f"[launcher] waiting for capacity: the job asks for "
                               f"{self._request.gpus} GPUs / {self._request.cpu_slots} CPU slots, "
