@@ -526,6 +526,8 @@ def main() -> int:
     quiet_manager_logs()
     torch.manual_seed(0)
     t_start = time.perf_counter()
+    if args.workdir is not None:
+        os.makedirs(args.workdir, exist_ok=True)
     root = tempfile.mkdtemp(prefix="bench-ckpt-", dir=args.workdir)
     res = Results()
     extra: dict[str, Any] = {}
