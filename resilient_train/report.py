@@ -194,6 +194,8 @@ _FAULT_PATTERNS = [
     (re.compile(r"^chaos: (?P<kind>[\w-]+) on (?P<target>\S+)$"), None),
     (re.compile(r"^chaos: (?P<kind>[\w-]+) \(whole job\)"), None),
     (re.compile(r"^(?P<target>\S+): out of memory\b"), "oom"),
+    (re.compile(r"^(?P<target>\S+): killed by the kernel's out-of-memory killer"), "oom"),
+    (re.compile(r"^(?P<target>\S+): killed by \S+ from outside"), "kill"),
 ]
 
 

@@ -34,6 +34,9 @@ TELEMETRY_ENV = "RESILIENT_TRAIN_TELEMETRY"
 # Set by the launcher on a worker life started after failures: seconds of running per
 # failure so far in this job (read by the auto checkpoint interval).
 OBSERVED_MTBF_ENV = "RESILIENT_TRAIN_OBSERVED_MTBF_S"
+# The same, live: a JSON file {"since": epoch seconds, "failures": N} that the launcher
+# rewrites at each failure, so a process that survives them sees the job's MTBF change.
+FAILURES_ENV = "RESILIENT_TRAIN_FAILURES_FILE"
 
 # magic, first_step, t_start, t_first, blocking_s, then last_step, t_last (epoch seconds):
 # the two that change every step are last and together, so a step stores 16 bytes.
@@ -58,6 +61,47 @@ class Segment:
     @property
     def steps(self) -> int:
         return self.last_step - self.first_step
+
+
+class ObservedMtbf:
+    """Reads the launcher's failure log: seconds of running per failure, as of ``now``.
+
+    Cheap to call often: one stat() per call, the file is read again only when it changed.
+    """
+
+    def __init__(self, path: str | os.PathLike[str]) -> None:
+        self.path = Path(path)
+        self._mtime: float | None = None
+        self._since: float | None = None
+        self._failures = 0
+
+    @classmethod
+    def from_env(cls) -> ObservedMtbf | None:
+        path = os.environ.get(FAILURES_ENV)
+        return cls(path) if path else None
+
+    def at(self, now: float) -> float | None:
+        """None before the first failure (or when the log cannot be read)."""
+        try:
+            mtime = os.stat(self.path).st_mtime
+            if mtime != self._mtime:
+                data = json.loads(self.path.read_text(encoding="utf-8"))
+                self._since, self._failures = float(data["since"]), int(data["failures"])
+                self._mtime = mtime
+        except (OSError, ValueError, KeyError, TypeError):
+            return None
+        if self._since is None or self._failures <= 0:
+            return None
+        return max(1.0, now - self._since) / self._failures
+
+
+def write_failures(path: str | os.PathLike[str], since: float, failures: int) -> None:
+    """The launcher's side of :class:`ObservedMtbf` (atomic: write, then rename)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(json.dumps({"since": since, "failures": failures}), encoding="utf-8")
+    os.replace(tmp, path)
 
 
 class Telemetry:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import statistics
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,6 +29,7 @@ from resilient_train.checkpoint.policy import (
     resolve_mtbf,
 )
 from resilient_train.checkpoint.simulate import SimResult, simulate
+from resilient_train.telemetry import FAILURES_ENV, ObservedMtbf, write_failures
 
 
 @pytest.fixture(autouse=True)
@@ -195,21 +197,66 @@ class TwoRanks:
 
 def test_multi_rank_uses_the_slowest_ranks_cost(tmp_path: Path) -> None:
     spy = Spy(every_n_steps(10**9), [])
-    coord = TwoRanks([0, 1, 0, -1])                         # the peer has not saved yet
+    coord = TwoRanks([0, 1, 0, -1, -1])                     # the peer has not saved yet
     with CheckpointManager(tmp_path / "c", options=CheckpointOptions(policy=spy),
                            coordinator=coord) as mgr:       # type: ignore[arg-type]
         spy = mgr.policy                                    # type: ignore[assignment]
         mgr.maybe_save(1)
         assert spy.seen[-1].save_cost_s is None
         mgr._save_cost = 0.25                               # as if this rank had saved
-        coord.theirs = [0, 1, 0, 1_500_000]                 # the peer: 1.5 s
+        coord.theirs = [0, 1, 0, 1_500_000, -1]             # the peer: 1.5 s
         mgr._next_sync_step = 0
         mgr.maybe_save(2)
         assert spy.seen[-1].save_cost_s == 1.5
-        coord.theirs = [0, 1, 0, 100_000]
+        coord.theirs = [0, 1, 0, 100_000, -1]
         mgr._next_sync_step = 0
         mgr.maybe_save(3)
         assert spy.seen[-1].save_cost_s == 0.25
+
+
+def test_observed_mtbf_follows_the_launchers_failure_log(tmp_path: Path) -> None:
+    log_file = tmp_path / "failures.json"
+    observed = ObservedMtbf(log_file)
+    assert observed.at(1000.0) is None                      # no log: unknown
+    write_failures(log_file, since=100.0, failures=2)
+    assert observed.at(1100.0) == 500.0                     # 1000 s of running, 2 failures
+    assert observed.at(1300.0) == 600.0                     # time between failures grows
+    write_failures(log_file, since=100.0, failures=4)
+    os.utime(log_file, (os.stat(log_file).st_atime, os.stat(log_file).st_mtime + 1))
+    assert observed.at(1300.0) == 300.0
+
+
+def test_auto_interval_takes_the_observed_mtbf_over_the_prior_only() -> None:
+    prior = auto_interval(floor_s=1.0)
+    assert prior.mtbf_source.startswith("prior")
+    long_interval = prior.interval(2.0)
+    prior.observe(600.0)                                    # failures every 10 min
+    assert (prior.mtbf_s, prior.mtbf_source) == (600.0, "observed")
+    assert prior.interval(2.0) == pytest.approx(daly_interval(2.0, 600.0))
+    assert prior.interval(2.0) < long_interval / 5
+    prior.observe(630.0)                                    # within 10%: no churn
+    assert prior.mtbf_s == 600.0
+    given = auto_interval(3600.0)
+    given.observe(600.0)                                    # the user's figure stands
+    assert (given.mtbf_s, given.mtbf_source) == (3600.0, "given")
+
+
+def test_the_primarys_observed_mtbf_reaches_every_ranks_policy(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # A surviving primary started before any failure: only the live log tells it.
+    log_file = tmp_path / "failures.json"
+    monkeypatch.setenv(FAILURES_ENV, str(log_file))
+    spy = Spy(every_n_steps(10**9), [])
+    coord = TwoRanks([0, 1, 0, -1, -1])
+    with CheckpointManager(tmp_path / "c", options=CheckpointOptions(policy=spy),
+                           coordinator=coord) as mgr:       # type: ignore[arg-type]
+        spy = mgr.policy                                    # type: ignore[assignment]
+        mgr.maybe_save(1)
+        assert spy.seen[-1].mtbf_s is None
+        write_failures(log_file, since=mgr.clock() - 120.0, failures=3)
+        mgr._next_sync_step = 0
+        mgr.maybe_save(2)
+        assert spy.seen[-1].mtbf_s == pytest.approx(40.0, abs=1.0)
 
 
 # --- the simulator ------------------------------------------------------------------------------

@@ -232,6 +232,8 @@ def test_environment_of_a_three_replica_job(e2e: E2E) -> None:
         assert env["LOCAL_RANK"] == "0"
         assert env["CLOUD_ML_JOB_ID"] == rec["name"]
         assert env["CLOUD_ML_PROJECT_ID"].isdigit()  # a project number, as on the platform
+        assert env["RESILIENT_TRAIN_FAILURES_FILE"] == str(
+            job_dir.resolve() / "telemetry" / "failures.json")
         assert env["RESILIENT_TRAIN_REPLICA"] == name
         for var, sub in (("AIP_MODEL_DIR", "model"), ("AIP_CHECKPOINT_DIR", "checkpoints"),
                          ("AIP_TENSORBOARD_LOG_DIR", "logs")):
@@ -529,6 +531,9 @@ def test_a_worker_killed_from_outside_is_a_node_loss_and_restarts(e2e: E2E, sig:
     name = signal.Signals(sig).name
     assert any(f"workerpool1-0: killed by {name} from outside the launcher" in m
                for m in event_messages(rec))
+    # A failure of the job: the live failure log (for the auto checkpoint interval) says so.
+    log = json.loads((e2e.job_dir() / "telemetry" / "failures.json").read_text())
+    assert log["failures"] == 1
 
 
 def test_pages_shared_by_forked_processes_count_once_against_the_limit(e2e: E2E) -> None:

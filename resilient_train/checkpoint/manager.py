@@ -35,6 +35,7 @@ import torch
 
 from .. import __version__
 from ..errors import Classification, TransientError, classify_exception
+from ..telemetry import ObservedMtbf
 from . import fileio
 from .coordination import Coordinator, default_coordinator
 from .manifest import (
@@ -256,6 +257,11 @@ class CheckpointManager:
         # Multi-rank, the max over ranks as of the last _sync: every rank decides the same.
         self._save_cost: float | None = None
         self._shared_save_cost: float | None = None
+        # The job's observed MTBF (the launcher's failure log), read on the primary and
+        # shared like the clock: SaveContext.mtbf_s, for auto_interval.
+        self._observed = ObservedMtbf.from_env() if self.is_primary else None
+        self._shared_mtbf: float | None = None
+        self._next_mtbf_read = float("-inf")
         # The primary's clock, as in _sync: a max over all ranks' clocks would let one
         # rank's skew (a clock ahead) postpone every time-based save.
         self._shared_now = float(self.coord.broadcast(clock()))
@@ -299,11 +305,15 @@ class CheckpointManager:
             now = self.clock()
             emergency = self._sigterm
             cost = self._save_cost
+            if now >= self._next_mtbf_read:   # a stat() per second, not per step
+                self._next_mtbf_read = now + self.options.sync_interval_s
+                self._shared_mtbf = self._observed.at(now) if self._observed else None
         else:
             now, emergency = self._sync(step)
             cost = self._shared_save_cost
-        if emergency or self.policy.should_save(
-                SaveContext(step, now, self.last_saved_step, self._last_save_time, cost)):
+        if emergency or self.policy.should_save(SaveContext(
+                step, now, self.last_saved_step, self._last_save_time, cost,
+                self._shared_mtbf)):
             self.save(step, blocking=emergency)
             if emergency:
                 self._exit_after_emergency(step)
@@ -324,10 +334,13 @@ class CheckpointManager:
         stride = max(1, int(self.options.sync_interval_s / self._step_time)) if self._step_time else 1
         my_now = int(self.clock() * 1000) if self.is_primary else 0
         my_cost = -1 if self._save_cost is None else int(self._save_cost * 1e6)
-        now_ms, stride, sigterm, cost_us = self.coord.allreduce_max(
-            [my_now, stride, int(self._sigterm), my_cost])
+        mtbf = self._observed.at(my_now / 1000.0) if self._observed else None
+        my_mtbf = -1 if mtbf is None else int(mtbf * 1000)   # the primary's only
+        now_ms, stride, sigterm, cost_us, mtbf_ms = self.coord.allreduce_max(
+            [my_now, stride, int(self._sigterm), my_cost, my_mtbf])
         self._shared_now = now_ms / 1000.0
         self._shared_save_cost = None if cost_us < 0 else cost_us / 1e6
+        self._shared_mtbf = None if mtbf_ms < 0 else mtbf_ms / 1000.0
         self._next_sync_step = step + stride
         return self._shared_now, bool(sigterm)
 

@@ -40,6 +40,9 @@ class SaveContext(NamedTuple):
     # How long one save blocks the training loop (an average), the same on every rank;
     # None until a save has been measured.
     save_cost_s: float | None = None
+    # The job's observed mean time between failures (the launcher's failure log, read on
+    # the primary), the same on every rank; None when unknown.
+    mtbf_s: float | None = None
 
 
 class SavePolicy(ABC):
@@ -211,9 +214,21 @@ class auto_interval(SavePolicy):
             self._log_change(save_cost_s, tau)
         return self._interval
 
+    def observe(self, mtbf_s: float | None) -> None:
+        """The job's observed MTBF, as it changes: replaces a prior or an older observation
+        (never a given or declared one) once it differs by more than 10%."""
+        if mtbf_s is None or not mtbf_s > 0 or self.mtbf_source in ("given", "declared"):
+            return
+        if self.mtbf_source == "observed" and abs(mtbf_s - self.mtbf_s) <= 0.1 * self.mtbf_s:
+            return
+        self.mtbf_s, self.mtbf_source = float(mtbf_s), "observed"
+        self._cost = None   # recompute the interval at the next call
+
     def due(self, ctx: SaveContext) -> float:
         """The time (on ``ctx.now``'s clock) from which it saves, given ``ctx``'s last save
         and cost."""
+        if ctx.mtbf_s is not None:
+            self.observe(ctx.mtbf_s)
         if self._origin is None:
             self._origin = ctx.now
             if ctx.save_cost_s is None:

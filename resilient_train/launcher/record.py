@@ -55,6 +55,11 @@ def telemetry_prefix(job_dir: Path, attempt: int, replica: str, restart: int) ->
     return job_dir / "telemetry" / f"attempt-{attempt}" / f"{replica}.restart-{restart}"
 
 
+def failures_path(job_dir: Path) -> Path:
+    """The job's failure log, for the auto checkpoint interval (telemetry.ObservedMtbf)."""
+    return job_dir / "telemetry" / "failures.json"
+
+
 def telemetry_prefixes(job_dir: Path, replica: str) -> list[Path]:
     """Every life of ``replica`` that reported, in no particular order."""
     found = {p.with_suffix("") for p in (job_dir / "telemetry").glob(f"attempt-*/{replica}.restart-*.*")

@@ -29,7 +29,7 @@ import psutil
 
 from ..errors import exit_code_for, read_error_report, traceback_excerpt
 from ..goodput import account
-from ..telemetry import read_life
+from ..telemetry import read_life, write_failures
 from ..ports import free_port
 from .chaos import ChaosSchedule, ChaosSpec, FaultKind, ScheduledFault
 from .job import (
@@ -44,8 +44,8 @@ from .job import (
 from .messages import STATUS_INTERNAL, JobState
 from .policy import Cause, Policy, Strategy
 from .quota import Capacity, Lease, LocalQuota, Request, default_quota_dir
-from .record import (JOB_FILE, log_path, report_path, telemetry_prefix, telemetry_prefixes,
-                     write_json_atomic)
+from .record import (JOB_FILE, failures_path, log_path, report_path, telemetry_prefix,
+                     telemetry_prefixes, write_json_atomic)
 from .resources import detect_gpus, kernel_oom_kills, process_tree, tree_pss, tree_rss
 from .workerenv import LAUNCH_ID_ENV, JobEnv, Replica, replicas_for, worker_env
 
@@ -288,6 +288,7 @@ class Launcher:
         self.workers: dict[str, _Worker] = {}
         self._launcher_started = _process_start_time(os.getpid())
         self._delayed: list[tuple[float, StartWorker]] = []
+        self._failure_log: tuple[float, int] | None = None   # what failures.json says
         self._pending_faults: list[ScheduledFault] = []
         self._rng = random.Random(options.seed)
         quota_dir = options.quota_dir or default_quota_dir(options.env)
@@ -348,6 +349,7 @@ class Launcher:
             self.echo(f"{stamp} [launcher] {event['message']}")
         self._printed_events = len(events)
         write_json_atomic(self.job_dir / JOB_FILE, self._record())
+        self._update_failure_log()
 
     def _record(self) -> dict[str, Any]:
         rec = self.machine.to_record()
@@ -368,15 +370,29 @@ class Launcher:
                            "started": self._launcher_started}
         return rec
 
-    def _observed_mtbf(self, now: float) -> float | None:
-        """Seconds of running per failure so far in this job (injected faults and non-zero
-        exits of the user's code); None before the first failure."""
-        start = self.machine.start_time
-        failures = sum(1 for e in self.machine.events if e["kind"] == "fault" or (
+    def _failures(self) -> int:
+        """Failures so far in this job: injected faults and non-zero exits of user code."""
+        return sum(1 for e in self.machine.events if e["kind"] == "fault" or (
             e["kind"] == "exited" and e.get("cause") == "exit" and e.get("exit_code")))
+
+    def _observed_mtbf(self, now: float) -> float | None:
+        """Seconds of running per failure so far in this job; None before the first."""
+        start, failures = self.machine.start_time, self._failures()
         if start is None or not failures:
             return None
         return max(1.0, now - start) / failures
+
+    def _update_failure_log(self) -> None:
+        """Keep telemetry/failures.json current, so that a worker that survives failures
+        (in-process recovery) sees the job's observed MTBF too, not only restarted ones."""
+        start, failures = self.machine.start_time, self._failures()
+        if start is None or (start, failures) == self._failure_log:
+            return
+        try:
+            write_failures(failures_path(self.job_dir), start, failures)
+            self._failure_log = (start, failures)
+        except OSError as exc:  # the interval then keeps what it knew
+            log.warning("cannot write the failure log: %s", exc)
 
     def _goodput(self) -> dict[str, Any] | None:
         """The primary's training segments over every life, split into goodput buckets;
@@ -388,8 +404,8 @@ class Launcher:
                     for seg in read_life(prefix).segments]
         return account(segments, start, end).to_json() if segments else None
 
-    def note(self, message: str) -> None:
-        self.machine.note(self.clock(), message)
+    def note(self, message: str, kind: str = "fault") -> None:
+        self.machine.note(self.clock(), message, kind)
 
     # --- the loop ---------------------------------------------------------------------
 
@@ -436,7 +452,7 @@ class Launcher:
                     w.signal(signal.SIGKILL)
         for w in list(self.workers.values()):
             if w.kill_at is not None and now >= w.kill_at:
-                self.note(f"{w.replica.name}: grace period over, SIGKILL")
+                self.note(f"{w.replica.name}: grace period over, SIGKILL", kind="signal")
                 w.kill_at = None
                 w.signal(signal.SIGKILL)
         if self.options.memory_limit is not None:
@@ -520,7 +536,8 @@ class Launcher:
                          error_file=str(report), gpu_ids=gpu_ids, base=o.env,
                          telemetry=str(telemetry_prefix(self.job_dir, cmd.attempt,
                                                         replica.name, cmd.restart)),
-                         observed_mtbf_s=self._observed_mtbf(now=self.clock()))
+                         observed_mtbf_s=self._observed_mtbf(now=self.clock()),
+                         failures_file=str(failures_path(self.job_dir)))
         logfile = log_path(self.job_dir, cmd.attempt, replica.name)
         logfile.parent.mkdir(parents=True, exist_ok=True)
         out = open(logfile, "ab")

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 from ..cluster import cluster_spec_json, tf_config_json
 from ..errors import ERROR_FILE_ENV
-from ..telemetry import OBSERVED_MTBF_ENV, TELEMETRY_ENV
+from ..telemetry import FAILURES_ENV, OBSERVED_MTBF_ENV, TELEMETRY_ENV
 
 # Pools 0 (primary) and 1 (workers) form the training process group; pools 2 (parameter
 # or reduction servers) and 3 (evaluators) do not.
@@ -63,7 +63,7 @@ LOCAL_PROJECT_NUMBER = "000000000000"
 def worker_env(job: JobEnv, replica: Replica, *, attempt: int, restart: int,
                error_file: str, gpu_ids: Sequence[int] | None,
                base: Mapping[str, str], telemetry: str = "",
-               observed_mtbf_s: float | None = None) -> dict[str, str]:
+               observed_mtbf_s: float | None = None, failures_file: str = "") -> dict[str, str]:
     cluster: dict[str, list[str]] = {}
     for i, r in enumerate(job.replicas):
         # Locally every replica is this host; ports are distinct so the addresses are too.
@@ -108,6 +108,8 @@ def worker_env(job: JobEnv, replica: Replica, *, attempt: int, restart: int,
         env["TF_CONFIG"] = tf_config
     else:
         env.pop("TF_CONFIG", None)
+    if failures_file:   # the same, kept current for a process that outlives failures
+        env[FAILURES_ENV] = failures_file
     if observed_mtbf_s is not None:   # for CheckpointOptions(policy=auto_interval())
         env[OBSERVED_MTBF_ENV] = f"{observed_mtbf_s:.1f}"
     else:
