@@ -191,7 +191,7 @@ class _Lane:
 
 
 _FAULT_PATTERNS = [
-    (re.compile(r"^chaos: (?P<kind>[\w-]+) on (?P<target>\S+)$"), None),
+    (re.compile(r"^chaos: (?P<kind>[\w-]+) on (?P<target>\S+)( at step \d+)?$"), None),
     (re.compile(r"^chaos: (?P<kind>[\w-]+) \(whole job\)"), None),
     (re.compile(r"^(?P<target>\S+): out of memory\b"), "oom"),
     (re.compile(r"^(?P<target>\S+): killed by the kernel's out-of-memory killer"), "oom"),

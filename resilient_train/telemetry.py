@@ -204,6 +204,20 @@ class LifeTelemetry:
     saves: tuple[tuple[float, int, float], ...]   # (time, step, blocking_s)
 
 
+def read_step(prefix: str | os.PathLike[str]) -> int | None:
+    """Steps done so far by a live worker life (its open segment); None before its first
+    report. One small read: the launcher calls it while step-triggered faults wait."""
+    try:
+        with open(f"{prefix}.progress", "rb") as f:
+            raw = f.read(_RECORD.size)
+    except OSError:
+        return None
+    if len(raw) < _RECORD.size:
+        return None
+    magic, *_, last, _t_last = _RECORD.unpack_from(raw)
+    return int(last) if magic == _MAGIC else None
+
+
 def read_life(prefix: str | os.PathLike[str]) -> LifeTelemetry:
     """The segments and saves one worker life reported; empty when it reported nothing."""
     segments: list[Segment] = []

@@ -217,3 +217,26 @@ def test_schedule_does_not_depend_on_polling(seed: int, polls: list[float]) -> N
         seen += batch
     seen += schedule.due(float("inf"))
     assert seen == reference
+
+
+def test_step_triggered_faults_parse_and_wait_for_their_step(tmp_path: Path) -> None:
+    spec = parse_chaos("kill:1@step120, internal@step60, preempt:0@STEP 30/5s, kill:0@2s")
+    assert [(f.kind, f.at_step, f.grace) for f in spec.faults] == [
+        (FaultKind.KILL, 120, None), (FaultKind.INTERNAL, 60, None),
+        (FaultKind.PREEMPT, 30, 5.0), (FaultKind.KILL, None, None)]
+    sched = ChaosSchedule(spec, ["workerpool0-0", "workerpool1-0"])
+    assert sched.waits_for_steps and sched.next_time() == 2.0   # times and steps apart
+    assert sched.due_at_step(29) == []
+    assert [(f.kind, f.target) for f in sched.due_at_step(61)] == [
+        (FaultKind.PREEMPT, "workerpool0-0"), (FaultKind.INTERNAL, None)]
+    assert sched.due_at_step(61) == []                           # each fires once
+    assert [f.target for f in sched.due_at_step(500)] == ["workerpool1-0"]
+    assert not sched.waits_for_steps
+    path = tmp_path / "faults.json"
+    path.write_text('{"faults": [{"kind": "kill", "at_step": 40, "target": 1}]}')
+    assert load_chaos(f"@{path}").faults[0].at_step == 40
+    path.write_text('{"faults": [{"kind": "kill", "at_step": 40, "at": "2s"}]}')
+    with pytest.raises(ChaosSpecError, match="exactly one of 'at'"):
+        load_chaos(f"@{path}")
+    with pytest.raises(ChaosSpecError, match=r"KIND\[:REPLICA\]@stepN"):
+        parse_chaos("kill@stepX")

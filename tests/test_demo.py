@@ -49,6 +49,7 @@ def test_the_readme_main_job_recovers_from_a_killed_worker(tmp_path: Path) -> No
         assert any(e.get("cause") == "node_loss" for e in job["events"] if e["kind"] == "exited")
         assert len(job["attempts"]) == 1           # no job retry: recovered by a worker restart
         assert "process group re-formed at generation 1" in out
+        assert "rank 0: resumed from step 80" in out   # the README says so
         assert "finished 200 steps" in out
     finally:
         import shutil
@@ -77,7 +78,7 @@ def launch_demo(tmp: Path, *launcher_args: str, script_args: tuple[str, ...] = (
 @pytest.mark.slow
 def test_on_peer_restart_exit_makes_every_worker_exit_transient(tmp_path: Path) -> None:
     # For users who prefer a clean process restart to in-process recovery.
-    job, _, _ = launch_demo(tmp_path, "--chaos", "kill:workerpool1-0@5s",
+    job, _, _ = launch_demo(tmp_path, "--chaos", "kill:workerpool1-0@step30",
                             env={"RESILIENT_TRAIN_ON_PEER_RESTART": "exit"})
     first = job["attempts"][0]["replicas"]
     assert 134 in first["workerpool0-0"]["exit_codes"], first   # the survivor left transient

@@ -7,7 +7,12 @@ reproducible regardless of how long the job spent queued.
 Grammar (comma-separated items)::
 
     KIND[:TARGET]@TIME[/GRACE]          one fault at a fixed time
+    KIND[:TARGET]@stepN[/GRACE]         one fault once the primary has finished step N
     KIND[:TARGET]~MEAN[xCOUNT][/GRACE]  seeded random faults, exponential inter-arrival times
+
+Step-triggered faults read the primary's training progress (``@rt.main`` reports it to the
+launcher), so they land at the same point of training however fast the machine is: the way
+to test "killed after the checkpoint at step 100" reproducibly.
 
 TIME, MEAN and GRACE are durations (``500ms``, ``20s``, ``1.5m``, ``2h`` or bare seconds).
 TARGET is a replica name (``workerpool1-0``) or a rank (``1``); without it the seeded RNG
@@ -19,6 +24,7 @@ from __future__ import annotations
 import heapq
 import json
 import logging
+import math
 import random
 import re
 from collections.abc import Iterator, Sequence
@@ -47,8 +53,8 @@ RANDOM_FAULT_CAP = 10_000
 
 _EXAMPLE = "kill:workerpool1-0@20s"
 _GRAMMAR = (
-    f"write KIND[:REPLICA]@TIME[/GRACE] or KIND[:REPLICA]~MEAN[xCOUNT], e.g. {_EXAMPLE}"
-    " or kill~30sx5"
+    f"write KIND[:REPLICA]@TIME[/GRACE], KIND[:REPLICA]@stepN[/GRACE] or "
+    f"KIND[:REPLICA]~MEAN[xCOUNT], e.g. {_EXAMPLE}, kill:1@step120 or kill~30sx5"
 )
 
 
@@ -88,9 +94,10 @@ _VALID_KINDS = ", ".join(k.value for k in FaultKind)
 @dataclass(frozen=True)
 class Fault:
     kind: FaultKind
-    at: float
+    at: float                  # seconds after RUNNING (inf for a step-triggered fault)
     target: str | None = None  # replica name or rank as written; None = seeded choice
     grace: float | None = None  # None = launcher default
+    at_step: int | None = None  # once the primary has finished this step
 
 
 @dataclass(frozen=True)
@@ -118,6 +125,7 @@ class ScheduledFault:
     at: float
     target: str | None  # a replica name; None only for job-wide kinds
     grace: float | None = None
+    at_step: int | None = None
 
 
 # ---------------------------------------------------------------------------- parsing
@@ -214,6 +222,9 @@ def _parse_item(item: str, where: str) -> Fault | RandomFault:
     when, slash, grace_text = tail.partition("/")
     grace = _grace(kind, grace_text.strip() if slash else None, where)
     if not random_fault:
+        step = re.fullmatch(r"\s*step\s*(\d+)\s*", when, re.IGNORECASE)
+        if step:
+            return Fault(kind, math.inf, target, grace, at_step=int(step.group(1)))
         return Fault(kind, _duration(when, "time", where), target, grace)
     match = re.match(r"^(.+?)(?:x(\d+))?$", when.strip())
     if not match:
@@ -247,7 +258,7 @@ def parse_chaos(text: str, *, seed: int = 0) -> ChaosSpec:
     return _build(items, seed)
 
 
-_FAULT_KEYS = {"kind", "at", "target", "grace"}
+_FAULT_KEYS = {"kind", "at", "at_step", "target", "grace"}
 _RANDOM_KEYS = {"kind", "mean", "count", "target", "grace"}
 _TOP_KEYS = {"seed", "faults", "random"}
 
@@ -279,14 +290,23 @@ def _from_json(data: Any, seed: int, source: str) -> ChaosSpec:
         for index, entry in enumerate(entries):
             where = f"{source} {section}[{index}]"
             if section == "faults":
-                entry = _check_keys(entry, _FAULT_KEYS, {"kind", "at"}, where)
+                entry = _check_keys(entry, _FAULT_KEYS, {"kind"}, where)
                 kind = _kind(str(entry["kind"]), where)
+                at_step = entry.get("at_step")
+                if ("at" in entry) == (at_step is not None):
+                    raise ChaosSpecError(f"{where} needs exactly one of 'at' (a time) and "
+                                         "'at_step' (a step of the primary)")
+                if at_step is not None and (isinstance(at_step, bool)
+                                            or not isinstance(at_step, int) or at_step < 0):
+                    raise ChaosSpecError(f"at_step in {where} must be an integer >= 0, "
+                                         f"found {at_step!r}")
                 items.append(
                     Fault(
                         kind,
-                        _duration(entry["at"], "time", where),
+                        math.inf if at_step is not None else _duration(entry["at"], "time", where),
                         _target(kind, entry.get("target"), where),
                         _grace(kind, entry.get("grace"), where),
+                        at_step=at_step,
                     )
                 )
             else:
@@ -363,12 +383,18 @@ class ChaosSchedule:
         rng = random.Random(spec.seed)
         # Heap entries: (time, source order, sequence in source, fault); ties break stably.
         self._heap: list[tuple[float, int, int, ScheduledFault]] = []
+        self._by_step: list[ScheduledFault] = []   # step-triggered, by step then order
         for index, fault in enumerate(spec.faults):
             scheduled = ScheduledFault(
-                fault.kind, fault.at, self._resolve(fault.kind, fault.target, rng), fault.grace
+                fault.kind, fault.at, self._resolve(fault.kind, fault.target, rng), fault.grace,
+                fault.at_step,
             )
-            self._heap.append((fault.at, 0, index, scheduled))
+            if fault.at_step is not None:
+                self._by_step.append(scheduled)
+            else:
+                self._heap.append((fault.at, 0, index, scheduled))
         heapq.heapify(self._heap)
+        self._by_step.sort(key=lambda f: f.at_step or 0)
         self._streams: list[Iterator[ScheduledFault]] = []
         for index, rfault in enumerate(spec.random):
             stream_rng = random.Random(f"{spec.seed}/random/{index}")
@@ -419,6 +445,17 @@ class ChaosSchedule:
     def next_time(self) -> float | None:
         """Time of the next pending fault, or None when none is left."""
         return self._heap[0][0] if self._heap else None
+
+    @property
+    def waits_for_steps(self) -> bool:
+        """Step-triggered faults are pending (the launcher then watches the primary)."""
+        return bool(self._by_step)
+
+    def due_at_step(self, step: int) -> list[ScheduledFault]:
+        """Remove and return the step-triggered faults whose step is <= ``step``."""
+        out = [f for f in self._by_step if (f.at_step or 0) <= step]
+        self._by_step = self._by_step[len(out):]
+        return out
 
     def due(self, elapsed: float) -> list[ScheduledFault]:
         """Remove and return, in time order, every pending fault with time <= elapsed."""

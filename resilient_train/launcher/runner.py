@@ -29,7 +29,7 @@ import psutil
 
 from ..errors import exit_code_for, read_error_report, traceback_excerpt
 from ..goodput import account
-from ..telemetry import read_life, write_failures
+from ..telemetry import read_life, read_step, write_failures
 from ..ports import free_port
 from .chaos import ChaosSchedule, ChaosSpec, FaultKind, ScheduledFault
 from .job import (
@@ -482,6 +482,8 @@ class Launcher:
             timeout = self.options.memory_poll_s
         if self._wants_capacity or self._pending_faults:
             timeout = min(timeout, 0.25)
+        if self.chaos.waits_for_steps and self.machine.start_time is not None:
+            timeout = min(timeout, 0.05)   # watch the primary's step count closely
         if deadlines:
             timeout = min(timeout, max(0.0, min(deadlines) - now))
         # SIGCHLD writes to the wake pipe, so a dying worker is seen at once.
@@ -662,11 +664,24 @@ class Launcher:
         if start is None or self.machine.state.terminal:
             return
         self._pending_faults.extend(self.chaos.due(now - start))
+        if self.chaos.waits_for_steps:
+            step = self._primary_step()
+            if step is not None:
+                self._pending_faults.extend(self.chaos.due_at_step(step))
         waiting = []
         for fault in self._pending_faults:
             if not self._inject(fault, now):
                 waiting.append(fault)   # its target is between lives: hit the next one
         self._pending_faults = waiting
+
+    def _primary_step(self) -> int | None:
+        """Steps the primary's current life has finished (its telemetry), for faults
+        written KIND@stepN; None while it has not reported any."""
+        primary = self.replicas[0].name
+        w = self.workers.get(primary)
+        if w is None:
+            return None
+        return read_step(telemetry_prefix(self.job_dir, w.attempt, primary, w.restart))
 
     def _inject(self, fault: ScheduledFault, now: float) -> bool:
         cause = _FAULT_CAUSE[fault.kind]
@@ -674,13 +689,16 @@ class Launcher:
             # Not while the attempt is being stopped for a retry: the fault would be lost.
             if self.machine.state is not JobState.RUNNING or self.machine.stopping:
                 return False
-            self.note(f"chaos: {fault.kind.value} (whole job) at {now - self.machine.create_time:.1f} s")
+            self.note(f"chaos: {fault.kind.value} (whole job) at "
+                      + (f"step {fault.at_step}" if fault.at_step is not None
+                         else f"{now - self.machine.create_time:.1f} s"))
             self._execute(self.machine.job_fault(cause, now))
             return True
         w = self.workers.get(fault.target or "")
         if w is None or w.cause is not None or w.kill_at is not None:
             return False
-        self.note(f"chaos: {fault.kind.value} on {w.replica.name}")
+        self.note(f"chaos: {fault.kind.value} on {w.replica.name}"
+                  + (f" at step {fault.at_step}" if fault.at_step is not None else ""))
         w.cause = cause
         w.snapshot_tree()
         if fault.kind.has_grace:
