@@ -60,20 +60,20 @@ if TYPE_CHECKING:
     from .checkpoint.policy import auto_interval, every, every_n_steps
     from .checkpoint.retention import RetentionPolicy
     from .checkpoint.storage import RetryOptions
+    from .data import ResumableLoader, ResumableSampler
     from .distributed.errors import (
         BarrierTimeoutError,
         PeerRestartedError,
         PrimaryUnreachableError,
         RendezvousTimeoutError,
     )
-    from .data import ResumableLoader, ResumableSampler
-    from .runtime import Context, MainOptions, main
     from .distributed.group import (
         DistributedGroup,
         DistributedOptions,
         init_distributed,
         is_peer_failure,
     )
+    from .runtime import Context, MainOptions, main
 
 
 def __getattr__(name: str) -> Any:

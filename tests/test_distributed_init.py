@@ -31,8 +31,8 @@ from resilient_train.distributed import (
     is_peer_failure,
 )
 from resilient_train.distributed.rendezvous import Rendezvous
-from resilient_train.ports import free_port
 from resilient_train.distributed.resolve import resolve
+from resilient_train.ports import free_port
 
 FORM = Path(__file__).parent / "init_workers" / "form.py"
 

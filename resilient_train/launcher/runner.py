@@ -29,8 +29,8 @@ import psutil
 
 from ..errors import exit_code_for, read_error_report, traceback_excerpt
 from ..goodput import account
-from ..telemetry import read_life, read_step, write_failures
 from ..ports import free_port
+from ..telemetry import read_life, read_step, write_failures
 from .chaos import ChaosSchedule, ChaosSpec, FaultKind, ScheduledFault
 from .job import (
     Command,
@@ -44,8 +44,15 @@ from .job import (
 from .messages import STATUS_INTERNAL, JobState
 from .policy import Cause, Policy, Strategy
 from .quota import Capacity, Lease, LocalQuota, Request, default_quota_dir
-from .record import (JOB_FILE, failures_path, log_path, report_path, telemetry_prefix,
-                     telemetry_prefixes, write_json_atomic)
+from .record import (
+    JOB_FILE,
+    failures_path,
+    log_path,
+    report_path,
+    telemetry_prefix,
+    telemetry_prefixes,
+    write_json_atomic,
+)
 from .resources import detect_gpus, kernel_oom_kills, process_tree, tree_pss, tree_rss
 from .workerenv import LAUNCH_ID_ENV, JobEnv, Replica, replicas_for, worker_env
 
