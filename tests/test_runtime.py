@@ -57,3 +57,27 @@ def test_a_bug_exits_1_with_the_traceback_in_the_report(tmp_path: Path) -> None:
     assert report["classification"] == "permanent"
     assert "ValueError: a bug in the training step" in report["message"]
     assert "train_simple.py" in report["traceback"]
+
+
+@pytest.mark.slow
+def test_named_barriers_meet_again_after_an_in_process_recovery(tmp_path: Path) -> None:
+    # The survivor has passed 'eval' twice when its peer restarts; the restarted peer counts
+    # its barriers from zero, so the survivor must too, or both wait at different names
+    # until the barrier times out and the job is retried.
+    env = {k: v for k, v in os.environ.items() if k not in (
+        "RANK", "WORLD_SIZE", "CLUSTER_SPEC", "TF_CONFIG", "MASTER_ADDR", "MASTER_PORT")}
+    env.update(CKPT=str(tmp_path / "ckpt"), OUT=str(tmp_path / "final.pt"), STEPS="60",
+               BARRIER_EVERY="10", STEP_S="0.05",
+               RESILIENT_TRAIN_QUOTA_DIR=str(tmp_path / "quota"))
+    job_dir = tmp_path / "job"
+    proc = subprocess.run(
+        [sys.executable, "-m", "resilient_train.cli", "launch", "--job-dir", str(job_dir),
+         "--workers", "2", "--chaos", "kill:workerpool1-0@step25", "--timeout", "150s", "--",
+         sys.executable, str(SCRIPT)],
+        env=env, text=True, capture_output=True, timeout=240, check=False)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-3000:]
+    job = json.loads((job_dir / "job.json").read_text())
+    assert len(job["attempts"]) == 1, out[-3000:]      # recovered in-process, no job retry
+    assert "process group re-formed at generation 1" in out
+    assert "BarrierTimeoutError" not in out

@@ -341,6 +341,9 @@ class DistributedGroup:
                 continue
             _set_pg_timeout(timeout)
             self.generation = gen
+            # Barrier names count calls per generation: a restarted member counts from 0, so
+            # the survivors must too (they met at 'eval.3' while it waited at 'eval.0').
+            self._barriers = {}
             break
         logger.info("%s: rank %d of %d joined generation %d (%s)", self.replica_name,
                     self.rank, self.world_size, gen, self.backend)

@@ -2,12 +2,14 @@
 
 Environment: CKPT (checkpoint directory), STEPS, FAIL_AT (raise at this step, once: the
 marker file FAIL_ONCE says it already happened), FAIL_KIND (transient | bug), OUT (where
-the final weights go).
+the final weights go), BARRIER_EVERY (a named group barrier every N steps), STEP_S (a sleep
+per step).
 """
 
 from __future__ import annotations
 
 import os
+import time
 from pathlib import Path
 
 import torch
@@ -33,6 +35,9 @@ def train(ctx: rt.Context) -> None:
         loss.backward()
         opt.step()
         ctx.values["data_position"] = step + 1
+        if os.environ.get("BARRIER_EVERY") and (step + 1) % int(os.environ["BARRIER_EVERY"]) == 0:
+            ctx.group.barrier("eval", timeout_s=30)   # all ranks meet, as for an evaluation
+        time.sleep(float(os.environ.get("STEP_S", "0")))
         if step == fail_at and not once.exists():
             once.touch()
             if os.environ.get("FAIL_KIND") == "bug":
