@@ -388,3 +388,24 @@ def test_hang_watchdog_disarmed_never_fires() -> None:
         assert not event.wait(0.5)
     finally:
         dog.close()
+
+
+def test_a_teardown_stuck_in_torch_exits_instead_of_hanging(monkeypatch: pytest.MonkeyPatch) -> None:
+    # A gloo group whose peer died mid-collective can block its own teardown; recovery then
+    # must not wait (deaf to SIGTERM) for the job's timeout: past the bound it exits 134.
+    from resilient_train.distributed.group import DistributedGroup
+
+    group = DistributedGroup.__new__(DistributedGroup)
+    group.options = DistributedOptions(form_timeout_s=0.3)
+    group.generation = 4
+    group._watcher = None
+    group._watch_stop = threading.Event()
+    release = threading.Event()
+    exits: list[str] = []
+    monkeypatch.setattr(group, "_destroy_pg", lambda: release.wait(10))
+    group._on_stuck = lambda message: (exits.append(message), release.set())
+    t0 = time.monotonic()
+    group._teardown("workerpool0-0")
+    assert time.monotonic() - t0 < 5
+    assert exits == ["workerpool0-0: tearing down generation 4 did not finish in 0.3 s "
+                     "(stuck inside torch.distributed); exiting so that the worker is restarted"]

@@ -30,7 +30,7 @@ from typing import Any, Literal, TypeVar
 from ..cluster import ClusterInfo
 from ..errors import PEER_LOST_MESSAGES, exit_transient
 from .errors import DistributedConfigError, PeerRestartedError, RendezvousTimeoutError
-from .hang import HangWatchdog
+from .hang import HangWatchdog, report_and_exit
 from .rendezvous import Rendezvous
 from .resolve import Resolver
 
@@ -183,6 +183,7 @@ class DistributedGroup:
         self._barriers: dict[str, int] = {}
         self._closed = False
         self._hang = HangWatchdog(options.hang_timeout_s) if options.hang_timeout_s else None
+        self._on_stuck: Callable[[str], None] = report_and_exit
         atexit.register(self._at_exit)
 
     # --- what the training code sees ----------------------------------------------------
@@ -256,8 +257,7 @@ class DistributedGroup:
             self._hang.disarm()
         logger.warning("%s: generation %d ended (%s); re-forming the process group",
                        self.replica_name, self.generation, reason)
-        self._stop_watcher()
-        self._destroy_pg()
+        self._teardown(self.replica_name)
         if not self._store_alive():
             logger.warning("%s: the rendezvous store at %s:%d is gone (the primary %s stopped "
                            "or restarted); waiting for it to come back", self.replica_name,
@@ -360,6 +360,23 @@ class DistributedGroup:
             return self._rdzv.generation() != gen
         except Exception:
             return True  # the store is gone: the primary restarted
+
+    def _teardown(self, who: str) -> None:
+        """Stop the watcher and drop the old group, within a bound: a teardown stuck inside
+        torch (a gloo group whose peer died mid-collective, seen on 3-rank jobs) would
+        otherwise hold this process, deaf to SIGTERM, until the job's timeout. Past the
+        bound it exits transient with every thread's stack in the error report."""
+        bound = min(30.0, self.options.form_timeout_s)
+        guard = threading.Timer(bound, self._on_stuck, args=(
+            f"{who}: tearing down generation {self.generation} did not finish in {bound:g} s "
+            "(stuck inside torch.distributed); exiting so that the worker is restarted",))
+        guard.daemon = True
+        guard.start()
+        try:
+            self._stop_watcher()
+            self._destroy_pg()
+        finally:
+            guard.cancel()
 
     def _destroy_pg(self) -> None:
         import torch.distributed as dist

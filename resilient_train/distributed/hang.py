@@ -32,7 +32,8 @@ def all_stacks() -> str:
     return "\n".join(parts)
 
 
-def _report_and_exit(message: str) -> None:
+def report_and_exit(message: str) -> None:
+    """Log every thread's stack, write the error report (transient), exit 134 at once."""
     stacks = all_stacks()
     logger.critical("%s; stacks of all threads follow\n%s", message, stacks)
     try:
@@ -52,7 +53,7 @@ def _report_and_exit(message: str) -> None:
 class HangWatchdog:
     """Exits the process when no ``beat()`` arrived for ``timeout_s`` while armed."""
 
-    def __init__(self, timeout_s: float, *, on_hang: Callable[[str], None] = _report_and_exit,
+    def __init__(self, timeout_s: float, *, on_hang: Callable[[str], None] = report_and_exit,
                  clock: Callable[[], float] = time.monotonic) -> None:
         if timeout_s <= 0:
             raise ValueError(f"hang timeout must be > 0 seconds, got {timeout_s}")
