@@ -12,7 +12,7 @@ from resilient_train.launcher.resources import tree_pss, tree_rss
 
 _common.start()
 mib, children, hold_s = int(sys.argv[1]), int(sys.argv[2]), float(sys.argv[3])
-block = bytearray(b"x" * (mib << 20))  # filled, so the pages are resident
+block = b"x" * (mib << 20)  # one allocation, filled: resident (no second copy's peak)
 pids = []
 for _ in range(children):
     pid = os.fork()
