@@ -15,9 +15,14 @@ import torch
 SCRIPT = Path(__file__).parent / "runtime_workers" / "train_simple.py"
 
 
-def run(tmp: Path, name: str, **env: str) -> subprocess.CompletedProcess[str]:
-    full = {k: v for k, v in os.environ.items() if k not in (
+def outside_env() -> dict[str, str]:
+    """This environment without a cluster of its own: the script starts standalone."""
+    return {k: v for k, v in os.environ.items() if k not in (
         "RANK", "WORLD_SIZE", "CLUSTER_SPEC", "TF_CONFIG", "MASTER_ADDR", "MASTER_PORT")}
+
+
+def run(tmp: Path, name: str, **env: str) -> subprocess.CompletedProcess[str]:
+    full = outside_env()
     full.update(CKPT=str(tmp / name / "ckpt"), OUT=str(tmp / name / "final.pt"),
                 TORCHELASTIC_ERROR_FILE=str(tmp / name / "report.json"), **env)
     return subprocess.run([sys.executable, str(SCRIPT)], env=full, text=True,
@@ -64,8 +69,7 @@ def test_named_barriers_meet_again_after_an_in_process_recovery(tmp_path: Path) 
     # The survivor has passed 'eval' twice when its peer restarts; the restarted peer counts
     # its barriers from zero, so the survivor must too, or both wait at different names
     # until the barrier times out and the job is retried.
-    env = {k: v for k, v in os.environ.items() if k not in (
-        "RANK", "WORLD_SIZE", "CLUSTER_SPEC", "TF_CONFIG", "MASTER_ADDR", "MASTER_PORT")}
+    env = outside_env()
     env.update(CKPT=str(tmp_path / "ckpt"), OUT=str(tmp_path / "final.pt"), STEPS="60",
                BARRIER_EVERY="10", STEP_S="0.05",
                RESILIENT_TRAIN_QUOTA_DIR=str(tmp_path / "quota"))
