@@ -248,9 +248,9 @@ class CheckpointManager:
         self.last_commit_step: int | None = None
         # For retention: steps known to verify (the last commit, the restored one) and
         # committed steps that the restore found broken; neither is checked again.
-        self._known_good: set[str] = set()
+        self._committed_name: str | None = None
+        self._restored_name: str | None = None
         self._known_bad: set[str] = set()
-        self._restored_name: tuple[str, ...] = ()
         self.last_blocking_s = 0.0
         # What a save costs the training loop (waiting for the previous one, the snapshot,
         # the write when blocking), an EMA: SaveContext.save_cost_s, for auto_interval.
@@ -483,7 +483,7 @@ class CheckpointManager:
                 self.storage.rename_dir(work, final)  # the commit; fsyncs the parent
         self.last_commit_step = step
         committed_as = final if self.storage.atomic_rename else work
-        self._known_good = {committed_as, *self._restored_name}
+        self._committed_name = committed_as
         self._known_bad.discard(committed_as)   # a broken one of this name was moved aside
         log.info("checkpoint step %d committed to %s", step, self.storage.url_of(committed_as))
 
@@ -506,8 +506,9 @@ class CheckpointManager:
             return
         # The step is committed: a failure to clean up must not report the save as failed.
         try:
+            known_good = {n for n in (self._committed_name, self._restored_name) if n}
             prune(self.storage, self.options.retention, protect=self._token,
-                  known_good=self._known_good, known_bad=self._known_bad)
+                  known_good=known_good, known_bad=self._known_bad)
         except Exception as exc:  # noqa: BLE001 - retried after the next commit
             log.warning("retention after a commit failed (retried after the next one): %s", exc)
 
@@ -533,8 +534,7 @@ class CheckpointManager:
             if self.coord.allreduce_max([0 if loaded else 1])[0] == 0 and loaded is not None:
                 manifest, shared, mine = loaded
                 self._apply(manifest, shared, mine, strict)
-                self._restored_name = (name,)
-                self._known_good = {name}
+                self._restored_name = name
                 return step
             self._known_bad.add(name)
             log.warning("checkpoint %s does not verify%s; trying the previous one",
@@ -780,7 +780,7 @@ def prune(storage: Storage, retention: RetentionPolicy, *, protect: str | None =
         usable[info.name] = not problems
         if not problems:
             found, last_found = found + 1, info.step
-        if problems:
+        else:
             log.warning("checkpoint %s does not verify (%s): retention does not count it",
                         storage.url_of(info.name), "; ".join(problems)[:300])
     latest = max(i.step for i in committed)
