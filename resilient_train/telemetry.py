@@ -204,9 +204,9 @@ class LifeTelemetry:
     saves: tuple[tuple[float, int, float], ...]   # (time, step, blocking_s)
 
 
-def read_step(prefix: str | os.PathLike[str]) -> int | None:
-    """Steps done so far by a live worker life (its open segment); None before its first
-    report. One small read: the launcher calls it while step-triggered faults wait."""
+def _open_segment(prefix: str | os.PathLike[str]) -> Segment | None:
+    """The segment in a life's memory-mapped progress record (one small read); None when
+    the life has not reported one."""
     try:
         with open(f"{prefix}.progress", "rb") as f:
             raw = f.read(_RECORD.size)
@@ -214,8 +214,18 @@ def read_step(prefix: str | os.PathLike[str]) -> int | None:
         return None
     if len(raw) < _RECORD.size:
         return None
-    magic, *_, last, _t_last = _RECORD.unpack_from(raw)
-    return int(last) if magic == _MAGIC else None
+    magic, first, t_start, t_first, blocking, last, t_last = _RECORD.unpack_from(raw)
+    if magic != _MAGIC:
+        return None
+    return Segment(first, last, t_start, None if t_first == _EMPTY else t_first,
+                   None if t_last == _EMPTY else t_last, blocking)
+
+
+def read_step(prefix: str | os.PathLike[str]) -> int | None:
+    """Steps done so far by a live worker life (its open segment); None before its first
+    report. The launcher calls it while step-triggered faults wait."""
+    seg = _open_segment(prefix)
+    return None if seg is None else seg.last_step
 
 
 def read_life(prefix: str | os.PathLike[str]) -> LifeTelemetry:
@@ -235,13 +245,7 @@ def read_life(prefix: str | os.PathLike[str]) -> LifeTelemetry:
             segments.append(Segment(**{k: rec[k] for k in Segment.__dataclass_fields__}))
         elif rec.get("kind") == "save":
             saves.append((float(rec["t"]), int(rec["step"]), float(rec["blocking_s"])))
-    try:
-        raw = Path(f"{prefix}.progress").read_bytes()
-    except FileNotFoundError:
-        raw = b""
-    if len(raw) >= _RECORD.size:
-        magic, first, t_start, t_first, blocking, last, t_last = _RECORD.unpack_from(raw)
-        if magic == _MAGIC:   # a segment still open when the process ended
-            segments.append(Segment(first, last, t_start, None if t_first == _EMPTY else t_first,
-                                    None if t_last == _EMPTY else t_last, blocking))
+    seg = _open_segment(prefix)
+    if seg is not None:   # a segment still open when the process ended
+        segments.append(seg)
     return LifeTelemetry(tuple(segments), tuple(saves))
