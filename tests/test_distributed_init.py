@@ -80,8 +80,10 @@ def test_primary_twelve_seconds_late_still_forms() -> None:
         assert r["exit"] == 0, r["stderr"][-2000:]
         assert r["sum"] == 10.0  # 1+2+3+4: every rank took part
         assert r["generation"] == 0
-    # The workers that came early waited for the primary (and said so in their logs).
-    assert results[1]["formed_s"] > 12.0
+    # The workers that came early waited for the primary (and said so in their logs). Each
+    # rank's clock starts after its own imports, which run side by side and take a second
+    # or more under load: rank 1's wait is the primary's 12 s delay, give or take that.
+    assert results[1]["formed_s"] > 10.0
     assert "waiting for the primary workerpool0-0" in results[1]["stderr"]
     # 12 s of refused connections, and no C++ stack trace per attempt buries that line.
     assert "frame #" not in results[1]["stderr"], results[1]["stderr"][-3000:]
