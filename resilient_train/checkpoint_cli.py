@@ -9,7 +9,14 @@ import json
 import sys
 from typing import Any
 
-from .checkpoint.manager import StepInfo, prune, scan, structural_problems, verify_step
+from .checkpoint.manager import (
+    TMP_PREFIX,
+    StepInfo,
+    prune,
+    scan,
+    structural_problems,
+    verify_step,
+)
 from .checkpoint.retention import RetentionPolicy
 from .checkpoint.storage import Storage, StorageError
 
@@ -75,9 +82,13 @@ def run_checkpoints(args: argparse.Namespace) -> int:
                 print(f"resilient-train checkpoints: error: no step {args.step} in "
                       f"{storage.url}", file=sys.stderr)
                 return EXIT_USAGE
-            checked = [verify_step(storage, i) for i in chosen if i.committed]
+            # Uncommitted steps too: a step whose marker is gone is skipped by restore, and
+            # a verify that passes over it in silence would report a healthy directory.
+            # Temporary directories (a save in progress, or crashed) are listed, not failed.
+            checked = [verify_step(storage, i) for i in chosen]
             _print(checked, args.json)
-            return EXIT_OK if all(i.ok for i in checked) else EXIT_PROBLEMS
+            failed = [i for i in checked if not i.ok and not i.name.startswith(TMP_PREFIX)]
+            return EXIT_PROBLEMS if failed else EXIT_OK
         retention = RetentionPolicy(keep_last=args.keep_last,
                                     milestone_every_steps=args.milestone_every_steps)
         # deep: every checksum of the newest steps, so a corrupt one is never counted

@@ -158,6 +158,22 @@ def test_replicated_layout_two_ranks(tmp_path: Path) -> None:
     assert not bitwise_equal(restored[0]["rng_after"], restored[1]["rng_after"])
 
 
+def test_a_full_disk_on_one_rank_fails_the_save_on_both_and_cleans_up(tmp_path: Path) -> None:
+    """Rank 1 runs out of space writing its file: it reports to the primary instead of
+    leaving it waiting in the gather, both raise the no-space error, the primary removes
+    the partial step, step 1 stays committed, and the next save commits."""
+    ckpt = tmp_path / "ckpt"
+    r0, r1 = run("full_disk", 2, ckpt, tmp_path / "out")
+    assert r0["error"].startswith("CheckpointStorageFullError: checkpoint step 2 was not "
+                                  "saved: no space left in"), r0["error"]
+    assert "(rank 1 writing " in r0["error"] and "rank-00001.pt)" in r0["error"], r0["error"]
+    assert r1["error"].startswith("CheckpointStorageFullError"), r1["error"]
+    assert r0["listing"] == r1["listing"] == ["step-000000000001"]
+    assert r0["committed"] == 3
+    assert sorted(os.listdir(ckpt)) == ["step-000000000001", "step-000000000003"]
+    assert_verifies(ckpt, 3)
+
+
 def test_time_based_saves_happen_at_the_same_steps(tmp_path: Path) -> None:
     ckpt, out = tmp_path / "ckpt", tmp_path / "out"
     r0, r1 = run("timed_saves", 2, ckpt, out)

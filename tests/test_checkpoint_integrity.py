@@ -268,11 +268,11 @@ def _forge_unreadable(st: Storage, name: str) -> None:
     _rewrite_manifest(st, name, edit, fix_marker=True)
 
 
-# (damage, the problem restore_latest's warning and verify_step must name; None: invisible)
-DAMAGES: dict[str, tuple[Callable[[Storage, str], None], str | None]] = {
+# (damage, the problem restore_latest's warning and verify_step must name)
+DAMAGES: dict[str, tuple[Callable[[Storage, str], None], str]] = {
     "truncated": (_truncate, "shared.pt is"),
     "flipped-byte": (_flip_byte, "checksum mismatch"),
-    "no-marker": (_drop_marker, None),
+    "no-marker": (_drop_marker, f"no {MARKER} marker"),
     "marker-mismatch": (_edit_manifest_after_commit, "commit marker does not match"),
     "no-manifest": (_drop_manifest, f"{MANIFEST} is missing"),
     "listed-file-missing": (_drop_listed_file, "rank-00000.pt is missing"),
@@ -301,11 +301,12 @@ def test_damaged_latest_falls_back_to_previous_commit(
                 if r.levelno == logging.WARNING and r.name == LOGGER]
 
     infos = {i.step: i for i in scan(st)}
-    if problem is None:
-        # No marker: the step does not exist for readers; nothing to warn about.
+    if damage == "no-marker":
+        # Not a checkpoint for readers, but never skipped without a word.
         assert not infos[3].committed
-        assert verify_step(st, infos[3]).problems == ("not committed",)
-        assert not any(name in w for w in warnings), warnings
+        assert any(name in w and problem in w for w in warnings), warnings
+        (what,) = verify_step(st, infos[3]).problems
+        assert what.startswith("not committed") and f"{MARKER} is missing" in what
     else:
         assert any(name in w and problem in w for w in warnings), warnings
         checked = verify_step(st, infos[3])
@@ -386,6 +387,76 @@ def test_state_mismatch_on_tracked_names(tmp_path: Any) -> None:
     assert "tracked but not in the checkpoint" in str(info.value)
     assert "scheduler_like" in str(info.value) and "optimizer" in str(info.value)
     assert_same_tree(before, tr.weights())
+
+
+def test_verify_lists_a_step_without_its_marker_and_fails(
+        cheap_backend: Backend, capsys: pytest.CaptureFixture[str]) -> None:
+    backend = cheap_backend  # the CLI takes a URL only: no emulator endpoint
+    save_steps(backend, [1, 2])
+    st = backend.storage()
+    name = committed_names(st)[2]
+    _drop_marker(st, name)
+    assert cli.main(["checkpoints", "verify", backend.url]) == 1
+    out = capsys.readouterr().out
+    assert name in out and "uncommitted" in out and f"{MARKER} is missing" in out, out
+    assert cli.main(["checkpoints", "verify", backend.url, "--step", "2", "--json"]) == 1
+    (row,) = json.loads(capsys.readouterr().out)
+    assert row["name"] == name and not row["committed"] and not row["ok"]
+    assert cli.main(["checkpoints", "verify", backend.url, "--step", "1"]) == 0
+
+
+def test_verify_lists_a_temporary_directory_without_failing(
+        tmp_path: Any, capsys: pytest.CaptureFixture[str]) -> None:
+    """A save in progress (or one that crashed) is not a damaged checkpoint."""
+    backend = Backend("local", str(tmp_path / "ckpt"))
+    save_steps(backend, [1])
+    tmp = _leftover(backend.storage(), 2, "deadbeef")
+    assert cli.main(["checkpoints", "verify", backend.url]) == 0
+    out = capsys.readouterr().out
+    assert tmp in out and "save in progress or one that never finished" in out, out
+
+
+class _RunsCode:
+    """What a tampered checkpoint could hold: unpickling it would call os.mkdir(path)."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (os.mkdir, (self.path,))
+
+
+def test_a_pickle_that_would_run_code_is_refused_with_the_reason_not_the_advice(
+        tmp_path: Any, caplog: pytest.LogCaptureFixture,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    backend = Backend("local", str(tmp_path / "ckpt"))
+    expected = save_steps(backend, [1, 2])
+    st = backend.storage()
+    name = committed_names(st)[2]
+    ran = tmp_path / "the-payload-ran"
+    buf = io.BytesIO()
+    torch.save({"model": _RunsCode(str(ran))}, buf)
+    evil = buf.getvalue()
+    st.write_bytes(f"{name}/shared.pt", evil)
+    _rewrite_manifest(st, name, lambda d: d["files"].update(
+        {"shared.pt": {"size": len(evil), "crc32c": crc32c(evil)}}), fix_marker=True)
+
+    with caplog.at_level(logging.WARNING, logger=LOGGER):
+        step, tr, _ = restore_into_fresh(backend)
+    assert step == 1 and not ran.exists()
+    assert_same_tree(expected[1], tr.weights())
+    assert cli.main(["checkpoints", "verify", backend.url]) == 1
+    out = capsys.readouterr().out
+    assert not ran.exists()
+    for text in ([r.getMessage() for r in caplog.records if name in r.getMessage()]
+                 + [line for line in out.splitlines() if "shared.pt" in line]):
+        # The reason, whole: which global, and that its module is blocked.
+        assert "unreadable as a weights-only torch file" in text, text
+        assert "GLOBAL posix.mkdir whose module posix is blocked" in text, text
+        # And none of torch's advice to load it with weights_only=False.
+        for advice in ("weights_only` set to `False`", "weights_only=False", "likely succeed",
+                       "arbitrary code", "trusted source", "safe_globals"):
+            assert advice not in text, text
 
 
 # --- retention and leftovers -------------------------------------------------------------

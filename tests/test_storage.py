@@ -19,7 +19,7 @@ from typing import Any, ClassVar
 import fsspec
 import pytest
 from fsspec.implementations.memory import MemoryFileSystem
-from gcs import RESET, FaultProxy
+from gcs import RESET, FaultProxy, free_port
 
 from resilient_train.checkpoint import storage as storage_mod
 from resilient_train.checkpoint.storage import (
@@ -551,6 +551,69 @@ def test_deadline_expires_under_endless_503(gcs_proxy: FaultProxy, gcs_bucket: A
     assert 1.9 <= elapsed < 3.5
     assert gcs_proxy.injected >= 1
     assert st.url_of("a.pt") in str(info.value)
+
+
+# --- GCS: an endpoint where nothing listens ------------------------------------------------
+
+
+@pytest.mark.parametrize("how", ["endpoint_url", "STORAGE_EMULATOR_HOST"])
+def test_a_closed_endpoint_fails_within_the_deadline_naming_it_and_the_refusal(
+        how: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Nothing listens on the port: gcsfs retries the refused connection ~31 s on its own,
+    and then only a timeout would be left to report. The deadline holds, and the error says
+    which endpoint refused."""
+    endpoint = f"http://127.0.0.1:{free_port()}"
+    options: dict[str, Any] = {}
+    if how == "endpoint_url":
+        options["endpoint_url"] = endpoint
+    else:
+        monkeypatch.setenv("STORAGE_EMULATOR_HOST", endpoint)
+    deadline = 3.0
+    st = Storage(f"gs://bucket-{uuid.uuid4().hex[:8]}/run", storage_options=options,
+                 retry=RetryOptions(deadline_s=deadline, initial_s=0.05, max_wait_s=0.5))
+    t0 = time.monotonic()
+    with pytest.raises(StorageUnavailableError) as info:
+        st.check_writable()   # what CheckpointManager does first
+    elapsed = time.monotonic() - t0
+    msg = str(info.value)
+    assert f"endpoint {endpoint}" in msg and how in msg, msg
+    assert "refused the connection" in msg, msg
+    assert "Connect call failed" in msg, msg   # what the connection itself said
+    assert st.url in msg
+    assert classify_exception(info.value) is Classification.TRANSIENT
+    # A bound on a deadline the code enforces (generous: a loaded machine), not a speed.
+    assert deadline - 0.1 <= elapsed < deadline + 2.0, elapsed
+
+
+def test_a_closed_endpoint_does_not_get_the_large_transfer_allowance() -> None:
+    """32 MiB at RetryOptions.min_throughput (1 MiB/s) may take 32 s once the endpoint
+    answers; an endpoint that never accepted a connection gets the deadline, no more."""
+    endpoint = f"http://127.0.0.1:{free_port()}"
+    st = Storage(f"gs://bucket-{uuid.uuid4().hex[:8]}/run",
+                 storage_options={"endpoint_url": endpoint},
+                 retry=RetryOptions(deadline_s=2.0, initial_s=0.05, max_wait_s=0.5))
+    t0 = time.monotonic()
+    with pytest.raises(StorageUnavailableError, match="refused the connection"):
+        st.write_bytes("big.pt", bytes(32 << 20))
+    assert time.monotonic() - t0 < 4.0
+
+
+def test_a_large_transfer_that_reaches_the_endpoint_may_outlast_the_deadline(
+        gcs_bucket: Any) -> None:
+    """The other side of the allowance: a healthy upload is not cut off by a deadline far
+    shorter than the transfer."""
+    deadline = 0.1
+    st = Storage(f"{gcs_bucket.url}/run", storage_options=gcs_bucket.storage_options,
+                 retry=RetryOptions(deadline_s=30.0, initial_s=0.01, max_wait_s=0.05))
+    st.write_bytes("warm", b"x")   # a pooled connection: the next request reuses it at once
+    # The same options: the same (cached) filesystem, its session and connection pool.
+    st = Storage(f"{gcs_bucket.url}/run", storage_options=gcs_bucket.storage_options,
+                 retry=RetryOptions(deadline_s=deadline, initial_s=0.01, max_wait_s=0.05))
+    data = os.urandom(1 << 20) * 48   # ~1 s through the emulator here; 24 s allowed
+    t0 = time.monotonic()
+    st.write_bytes("big.pt", data)
+    assert time.monotonic() - t0 > deadline   # else this test shows nothing
+    assert st.size("big.pt") == len(data)
 
 
 def test_storage_module_does_not_import_gcsfs_for_local_paths() -> None:

@@ -13,10 +13,21 @@ after every file and the directory are fsynced. Object stores have no atomic ren
 the step is written in place as ``step-...-TOKEN`` (a fresh name per run, so a crashed
 save can never mix its files into a later one) and the marker goes last. Readers see only
 steps with a marker whose manifest verifies.
+
+A save that fails (a full disk, a storage error, a bug) commits nothing and removes what it
+wrote: every rank reports to the primary through the commit's gather, also when its own
+writes failed, and the primary deletes the step's directory once all of them are done
+writing. The last committed step stays as it was. At start, before any rank of the new run
+can save, the primary removes the temporary step directories that crashed runs left on
+local disk; every rank holds a shared ``flock`` on the temporary directory it writes into,
+so a directory that a live save (of another process, e.g. a second job started on the same
+directory) still writes is skipped.
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import io
 import logging
 import mmap
@@ -26,7 +37,7 @@ import queue
 import signal
 import threading
 import time
-from collections.abc import Callable, Collection, Mapping
+from collections.abc import Callable, Collection, Iterator, Mapping
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any, BinaryIO
@@ -34,7 +45,7 @@ from typing import Any, BinaryIO
 import torch
 
 from .. import __version__
-from ..errors import Classification, TransientError, classify_exception
+from ..errors import Classification, PermanentError, TransientError, classify_exception
 from ..telemetry import ObservedMtbf
 from . import fileio
 from .coordination import Coordinator, default_coordinator
@@ -64,9 +75,20 @@ from .state import (
     collect,
     restore,
     restore_rng,
+    tree_map_tensors,
     tree_on_host,
+    weights_only_refusal,
 )
-from .storage import RetryOptions, Storage
+from .storage import (
+    PROBE_PREFIX,
+    TMP_FILE_PREFIX,
+    RetryOptions,
+    Storage,
+    StorageFullError,
+    format_bytes,
+    free_bytes,
+    is_no_space,
+)
 
 log = logging.getLogger(__name__)
 
@@ -210,6 +232,46 @@ class TransientCheckpointError(CheckpointError, TransientError):
     """A background save failed for a reason that a retry can fix (storage, network)."""
 
 
+class CheckpointStorageFullError(CheckpointError, PermanentError):
+    """A save ran out of space (ENOSPC / EDQUOT). Nothing was committed, what the save wrote
+    is removed, the last committed step is kept; the next save tries again. Permanent for
+    the exit code: a rerun fills the same disk unless someone frees space."""
+
+    def __init__(self, message: str, *, directory: str | None, needed_bytes: int,
+                 free_bytes: int | None) -> None:
+        super().__init__(message)
+        self.directory = directory
+        self.needed_bytes = needed_bytes
+        self.free_bytes = free_bytes
+
+
+@dataclass(frozen=True)
+class _RankFailure:
+    """What a rank whose writes failed tells the primary, with its (partial) file list."""
+
+    rank: int
+    error: str
+    state_bytes: int                 # what its files would have held (tensor bytes)
+    transient: bool = False
+    no_space: bool = False
+    directory: str | None = None     # where a no-space write failed: the root, or TMPDIR
+    file: str | None = None          # and the file it was writing
+
+
+def _state_bytes(snap: Mapping[str, Any]) -> int:
+    """About what a save of ``snap`` writes: its tensor bytes (a DTensor: its local shard)."""
+    seen: dict[int, int] = {}
+
+    def count(t: torch.Tensor) -> torch.Tensor:
+        local = t.to_local() if hasattr(t, "to_local") else t
+        seen[id(t)] = local.numel() * local.element_size()
+        return t
+
+    for key, tree in snap.items():
+        tree_map_tensors(count, tree.dcp_state if key == "dcp" else tree)
+    return sum(seen.values())
+
+
 class CheckpointManager:
     """Save, keep and restore training state; see the module docstring for the layout."""
 
@@ -233,6 +295,9 @@ class CheckpointManager:
         self.policy = self._agree_on_policy(self.options.policy or default_save_policy(
             self.options.save_every_steps, self.options.max_interval_s))
         if self.is_primary:
+            # Every rank is past the policy broadcast and waits for the token below, so no
+            # rank of this run is saving: what temporary saves exist are from crashed runs.
+            self._remove_crashed_saves()
             self.storage.check_writable()   # a missing bucket fails now, not hours from now
         # A fresh name per run for in-flight saves: a crashed run's leftovers never mix in.
         self._token: str = self.coord.broadcast(os.urandom(4).hex())
@@ -439,17 +504,164 @@ class CheckpointManager:
             # emergency save right after a periodic one); rewriting it in place could tear it.
             log.info("checkpoint step %d is already committed; not saving it again", step)
             return
+        with _held(self.storage.local_path(work) if self.storage.atomic_rename else None):
+            self._write_held(step, snap, final, work)
+
+    def _write_held(self, step: int, snap: dict[str, Any], final: str, work: str) -> None:
         entries: dict[str, FileEntry] = {}
-        if self.is_primary:
-            entries[SHARED_FILE] = self._write_file(f"{work}/{SHARED_FILE}", snap["shared"])
-        entries[rank_file(self.rank)] = self._write_file(f"{work}/{rank_file(self.rank)}",
-                                                         snap["rank"])
-        if "dcp" in snap:  # sharded layout: dcp.save (collective), then this rank's files
-            entries.update(self._sharded.write(self.storage, work, snap["dcp"]))
-        gathered = self.coord.gather((step, entries))
-        if gathered is None:
-            return  # only the primary commits
-        steps = {rank: s for rank, (s, _) in enumerate(gathered)}
+        failure: Exception | None = None
+        try:
+            if "dcp" in snap:
+                # First: dcp.save is collective and fails on every rank together, so no rank
+                # waits in it for one whose own files already failed.
+                entries.update(self._sharded.write(self.storage, work, snap["dcp"]))
+            if self.is_primary:
+                entries[SHARED_FILE] = self._write_file(f"{work}/{SHARED_FILE}",
+                                                        snap["shared"])
+            entries[rank_file(self.rank)] = self._write_file(f"{work}/{rank_file(self.rank)}",
+                                                             snap["rank"])
+        except Exception as exc:  # reported to the primary below, then raised
+            failure = exc
+        # Every rank gets here, also after a failure: no one waits in the gather for a rank
+        # that gave up, and the primary learns that the step must not be committed.
+        mine = None if failure is None else self._failure(snap, failure)
+        gathered = self.coord.gather((step, entries, mine))
+        if gathered is None:  # only the primary commits (and cleans up)
+            if mine is not None:
+                self._raise_failed(step, [mine], 0, failure)
+            return
+        failed = [f for _, _, f in gathered if f is not None]
+        # What the ranks that did not fail wrote, to the byte: part of what the step needs.
+        written = sum(e.size for _, files, f in gathered if f is None for e in files.values())
+        if failed:
+            self._discard(work, transient=any(f.transient for f in failed))
+            self._raise_failed(step, failed, written, failure)
+        try:
+            self._commit(step, final, work, snap, gathered)
+        except Exception as exc:
+            self._discard(work, transient=classify_exception(exc) is Classification.TRANSIENT)
+            if is_no_space(exc):
+                # The files are all written (in ``written``): the commit's own did not fit.
+                self._raise_failed(step, [self._failure(snap, exc, state_bytes=0)], written,
+                                   exc)
+            raise
+
+    def _failure(self, snap: Mapping[str, Any], failure: Exception, *,
+                 state_bytes: int | None = None) -> _RankFailure:
+        full = next((e for e in _chain(failure) if isinstance(e, StorageFullError)), None)
+        root = self.storage.local_path("") or self.storage.url
+        directory = full.directory if full is not None and full.directory else root
+        if directory == root or directory.startswith(root.rstrip("/") + "/"):
+            directory = root  # not the step's directory: it is removed by now
+        return _RankFailure(
+            self.rank, f"{type(failure).__name__}: {failure}",
+            _state_bytes(snap) if state_bytes is None else state_bytes,
+            transient=classify_exception(failure) is Classification.TRANSIENT,
+            no_space=is_no_space(failure), directory=directory,
+            file=full.url if full is not None else None)
+
+    def _raise_failed(self, step: int, failed: list[_RankFailure], written: int,
+                      own: Exception | None) -> None:
+        """Raise why step was not committed: a full disk with the space it needs; else this
+        rank's own error; else (primary) what the other ranks reported. ``written``: the
+        bytes the ranks that did not fail wrote."""
+        full = [r for r in failed if r.no_space]
+        if full:
+            directory = full[0].directory
+            needed = written + sum(r.state_bytes for r in failed)
+            free = free_bytes(directory) if directory else None
+            last = (f"the last committed step, {self.last_commit_step}, is kept"
+                    if self.last_commit_step is not None else "no step was committed before")
+            keep = self.options.retention.keep_last
+            where = directory or self.storage.url
+            who = "; ".join(f"rank {r.rank} writing {r.file}" if r.file else
+                            f"rank {r.rank}: {r.error}" for r in full[:2])
+            msg = (
+                f"checkpoint step {step} was not saved: no space left in {where} ({who}). "
+                f"This save needs about {format_bytes(needed)}; {format_bytes(free)} is "
+                f"free there now. {'What it' if self.is_primary else 'What this rank'} "
+                f"wrote was removed; {last}. Free space, lower RetentionPolicy.keep_last "
+                f"(now {keep}: the directory needs room for {keep} committed step(s) plus "
+                f"the one being written, until retention runs) or use a larger disk; the "
+                f"next save tries again.")
+            raise CheckpointStorageFullError(msg, directory=directory, needed_bytes=needed,
+                                             free_bytes=free) from own
+        if own is not None:
+            raise own
+        text = "; ".join(f"rank {r.rank}: {r.error}" for r in failed[:3])
+        cls = TransientCheckpointError if all(r.transient for r in failed) else CheckpointError
+        raise cls(f"checkpoint step {step} was not committed: {len(failed)} rank(s) failed to "
+                  f"write their files ({text}); what they wrote was removed")
+
+    def _discard(self, work: str, *, transient: bool) -> None:
+        """Delete what a failed save wrote (primary, once every rank is done writing).
+
+        On an object store, not after a storage outage (``transient``): each delete would
+        wait out the retry deadline again. Such a leftover is an uncommitted directory that
+        retention removes once a newer step of a later run commits."""
+        if not self.storage.atomic_rename and transient:
+            log.warning("the failed save left %s behind (storage unavailable); retention "
+                        "removes it later", self.storage.url_of(work))
+            return
+        try:
+            if not self.storage.atomic_rename:
+                # Marker first, as in prune: a crash part-way never leaves a committed half.
+                self.storage.delete(f"{work}/{MARKER}")
+            self.storage.delete(work, recursive=True)
+            log.info("removed %s, written by a save that failed", self.storage.url_of(work))
+        except Exception as exc:  # noqa: BLE001 - the save's own error matters more
+            log.warning("could not remove %s after a failed save (the next start removes "
+                        "it): %s", self.storage.url_of(work), exc)
+
+    def _remove_crashed_saves(self) -> None:
+        """Local disk, at start, on the primary: delete the temporary step directories (and
+        our scratch files) that runs which crashed mid-save left in the root. They are
+        never committed, and on a full disk they hold the space the next save needs.
+
+        Object stores keep an unfinished save under its final name without a marker; it
+        costs no local space and retention deletes it once a newer step commits (and
+        restore names it), so nothing is deleted here."""
+        root = self.storage.local_path("")
+        if root is None:
+            return
+        try:
+            names = os.listdir(root)
+        except (FileNotFoundError, NotADirectoryError):
+            return
+        except OSError as exc:
+            log.warning("could not list %s for leftovers of crashed saves: %s", root, exc)
+            return
+        removed, freed = [], 0
+        for name in sorted(names):
+            path = os.path.join(root, name)
+            is_tmp_step = name.startswith(TMP_PREFIX) and \
+                parse_step(name[len(TMP_PREFIX):]) is not None and os.path.isdir(path)
+            # Scratch files live for milliseconds (a probe, an atomic write being renamed):
+            # an old one is stale, a fresh one may be another process's probe.
+            is_scratch = name.startswith((TMP_FILE_PREFIX, PROBE_PREFIX)) and \
+                os.path.isfile(path) and _age_s(path) > _SCRATCH_STALE_S
+            if not (is_tmp_step or is_scratch):
+                continue
+            size = _tree_size(path)
+            with _unless_held(path if is_tmp_step else None) as free_to_delete:
+                if not free_to_delete:
+                    log.info("keeping %s: a live save holds it", path)
+                    continue
+                try:
+                    self.storage.delete(name, recursive=True)
+                except Exception as exc:  # noqa: BLE001 - check_writable reports what matters
+                    log.warning("could not remove %s, left by a crashed save: %s", path, exc)
+                    continue
+            removed.append(name)
+            freed += size
+        if removed:
+            log.warning("removed %d leftover(s) of saves that never finished from %s (%s): %s",
+                        len(removed), root, format_bytes(freed), ", ".join(removed[:5])
+                        + (f" and {len(removed) - 5} more" if len(removed) > 5 else ""))
+
+    def _commit(self, step: int, final: str, work: str, snap: dict[str, Any],
+                gathered: list[Any]) -> None:
+        steps = {rank: s for rank, (s, _, _) in enumerate(gathered)}
         if set(steps.values()) != {step}:
             # Committing would pair this manifest with other steps' files: refuse.
             raise CheckpointError(
@@ -458,7 +670,7 @@ class CheckpointManager:
                 "SaveContext (and state that is the same on every rank) alone; step "
                 f"{step} is not committed.")
         files: dict[str, FileEntry] = {}
-        for _, part in gathered:
+        for _, part, _ in gathered:
             files.update(part)
         layout = SHARDED_LAYOUT if "dcp" in snap else "replicated"
         manifest = Manifest(step=step, world_size=self.world_size, layout=layout,
@@ -520,9 +732,11 @@ class CheckpointManager:
         A corrupt latest falls back to the previous one with a warning; if checkpoints
         exist but none verifies, raise instead of silently starting from scratch."""
         self.wait()
+        infos = scan(self.storage, with_manifest=False) if self.is_primary else []
         names: list[tuple[int, str]] = self.coord.broadcast(
-            [(i.step, i.name) for i in scan(self.storage, with_manifest=False) if i.committed]
-            if self.is_primary else None)
+            [(i.step, i.name) for i in infos if i.committed] if self.is_primary else None)
+        if self.is_primary:
+            self._warn_uncommitted(infos)
         problems: list[str] = []
         for step, name in sorted(names, reverse=True):
             loaded: tuple[Manifest, dict[str, Any], dict[str, Any] | None] | None = None
@@ -550,6 +764,21 @@ class CheckpointManager:
             self._explain_fresh_start()
         return None
 
+    def _warn_uncommitted(self, infos: list[StepInfo]) -> None:
+        """Name each step directory newer than the newest commit that has no marker: restore
+        skips it, and a silent skip hides a deleted marker or a save that never finished.
+        (Only uncommitted steps at all: _explain_fresh_start says so.)"""
+        committed = [i.step for i in infos if i.committed]
+        if not committed:
+            return
+        for info in infos:
+            if not info.committed and info.step > max(committed) \
+                    and not info.name.startswith(TMP_PREFIX):
+                log.warning("checkpoint %s has no %s marker, so it is not a checkpoint and is "
+                            "skipped: a save that never finished, or a marker that was "
+                            "deleted (`resilient-train checkpoints verify %s` lists it)",
+                            self.storage.url_of(info.name), MARKER, self.storage.url)
+
     def _explain_fresh_start(self) -> None:
         """One line on a fresh start, and a warning where the directory suggests a mistake:
         only uncommitted steps (every save crashed), or step directories one level down."""
@@ -563,8 +792,10 @@ class CheckpointManager:
             infos, nested = [], []
         if infos:
             log.warning("no committed checkpoint in %s, only %d uncommitted step "
-                        "director%s (saves that never finished): starting from step 0",
-                        self.storage.url, len(infos), "y" if len(infos) == 1 else "ies")
+                        "director%s without a %s marker (saves that never finished): %s; "
+                        "starting from step 0", self.storage.url, len(infos),
+                        "y" if len(infos) == 1 else "ies", MARKER,
+                        ", ".join(i.name for i in infos[-5:]))
         elif nested:
             log.warning("no checkpoint in %s, but %s hold%s step directories: is the "
                         "checkpoint directory one level too high? Starting from step 0",
@@ -634,6 +865,82 @@ class CheckpointManager:
         if self._sigterm:  # only the signalled rank leaves; the others saved with it
             self.close()
             exit_transient(f"SIGTERM: emergency checkpoint of step {step} committed")
+
+
+_SCRATCH_STALE_S = 60.0
+
+
+def _age_s(path: str) -> float:
+    try:
+        return time.time() - os.stat(path).st_mtime
+    except OSError:
+        return 0.0
+
+
+@contextlib.contextmanager
+def _held(path: str | None) -> Iterator[None]:
+    """A shared flock on the temporary step directory this rank writes into, for as long
+    as it writes (the kernel drops it when the process dies): the start-up clean-up of
+    another process leaves a held directory alone. Where locks are not supported the save
+    goes on without one."""
+    fd = None
+    if path is not None:
+        try:
+            os.makedirs(path, exist_ok=True)
+            fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)  # only a clean-up holds it EX
+        except OSError as exc:  # no locks, or no space for the directory: the write says
+            log.debug("no lock on %s: %s", path, exc)
+    try:
+        yield
+    finally:
+        if fd is not None:
+            os.close(fd)
+
+
+@contextlib.contextmanager
+def _unless_held(path: str | None) -> Iterator[bool]:
+    """True (holding an exclusive flock on path meanwhile) unless a live save holds it.
+    Where locks are not supported: True, since the caller runs before this run saves."""
+    fd = None
+    held = False
+    if path is not None:
+        try:
+            fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            held = True
+        except OSError as exc:
+            log.debug("cannot lock %s (%s): treating it as stale", path, exc)
+    try:
+        yield not held
+    finally:
+        if fd is not None:
+            os.close(fd)
+
+
+def _chain(exc: BaseException) -> list[BaseException]:
+    """exc and the exceptions it was raised from (or while handling)."""
+    out: list[BaseException] = []
+    e: BaseException | None = exc
+    while e is not None and all(e is not seen for seen in out):
+        out.append(e)
+        e = e.__cause__ or e.__context__
+    return out
+
+
+def _tree_size(path: str) -> int:
+    """Bytes of the files under path (or of the file): for the log only."""
+    if os.path.isfile(path):
+        return os.path.getsize(path)
+    total = 0
+    for parent, _dirs, files in os.walk(path):
+        for name in files:
+            try:
+                total += os.lstat(os.path.join(parent, name)).st_size
+            except OSError:
+                pass
+    return total
 
 
 # --- reading a directory (also used by the CLI) ---------------------------------------
@@ -718,12 +1025,11 @@ def _load_verified(storage: Storage, name: str, fname: str, manifest: Manifest) 
     except CorruptCheckpointError:
         raise
     except Exception as exc:  # a checksum-valid file that torch cannot read
-        # Only the first line of torch's message: the rest advises weights_only=False,
-        # which is exactly wrong for a file that may have been tampered with.
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+        # The reason without torch's advice to load with weights_only=False, which is
+        # exactly wrong for a file that may have been tampered with.
         raise CorruptCheckpointError(
-            f"{where}: unreadable as a weights-only torch file "
-            f"({type(exc).__name__}: {first[:200]})") from None
+            f"{where}: unreadable as a weights-only torch file, refused without running "
+            f"anything ({type(exc).__name__}: {weights_only_refusal(exc)})") from None
     if not isinstance(obj, dict):
         raise CorruptCheckpointError(f"{where}: not a checkpoint file")
     return obj
@@ -828,7 +1134,12 @@ def structural_problems(storage: Storage, info: StepInfo) -> list[str]:
 def verify_step(storage: Storage, info: StepInfo) -> StepInfo:
     """A deep check: marker, manifest, and every file's size and checksum."""
     if not info.committed:
-        return StepInfo(info.step, info.name, False, ("not committed",))
+        if info.name.startswith(TMP_PREFIX):
+            what = "a temporary directory of a save in progress or one that never finished"
+        else:
+            what = (f"{MARKER} is missing: a save that never finished (or is still running), "
+                    "or a marker that was deleted; restore skips it")
+        return StepInfo(info.step, info.name, False, (f"not committed: {what}",))
     try:
         manifest = read_manifest(storage, info.name, info.step)
         problems = _structural_problems(manifest, set(_list_files(storage, info.name)),

@@ -75,7 +75,7 @@ from .manifest import (
     check_entry,
     read_verified,
 )
-from .state import collect, restore
+from .state import collect, restore, weights_only_refusal
 from .storage import Storage
 
 if TYPE_CHECKING:
@@ -290,7 +290,7 @@ def _dcp_classes() -> _DcpClasses:
             except Exception as exc:
                 raise CorruptCheckpointError(
                     f"DCP item {read_item.dest_index.fqn!r} is refused by "
-                    f"torch.load(weights_only=True) ({exc})") from exc
+                    f"torch.load(weights_only=True) ({weights_only_refusal(exc)})") from None
             value.seek(0)
             super().load_bytes(read_item, value)
 

@@ -17,6 +17,7 @@ import enum
 import logging
 import pickle
 import random
+import re
 import time
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Iterator, Mapping
@@ -40,6 +41,7 @@ __all__ = [
     "restore",
     "restore_rng",
     "tree_map_tensors",
+    "weights_only_refusal",
     "tree_nbytes",
 ]
 
@@ -267,6 +269,35 @@ def check_weights_only(tree: Any, *, where: str = "state") -> None:
         "weights_only=True so that loading one cannot run code."
     )
     raise UnsafeStateError("\n".join(lines), problems)
+
+
+# Sentences of torch's weights-only refusal that advise rather than explain: re-running with
+# weights_only=False (what a tampered file wants), allowlisting the global, the docs link.
+_ADVICE = re.compile(
+    r"weights_only` (?:argument|set to)|weights_only=False|arbitrary code|trusted source|"
+    r"trust the source|safe_globals|file an issue|documentation of torch\.load|"
+    r"two options|Alternatively|In PyTorch 2\.6", re.IGNORECASE)
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")
+_REASON_LIMIT = 600
+
+
+def weights_only_refusal(exc: BaseException) -> str:
+    """Why ``torch.load(weights_only=True)`` refused a file, without torch's advice.
+
+    torch's message leads with advice to load with ``weights_only=False`` (which runs
+    whatever code a tampered file carries) and puts the reason last ("Trying to load
+    unsupported GLOBAL posix.system whose module posix is blocked"); a cut at a fixed
+    length keeps only the advice. This keeps the sentences that say what was found.
+    """
+    text = _ANSI.sub("", str(exc)).replace("WeightsUnpickler error:", " ")
+    sentences = [re.sub(r"^\(\d\)\s*", "", part.strip()) for line in text.splitlines()
+                 for part in re.split(r"(?<=[.!?])\s+", line)]
+    kept = [s for s in sentences if s and not _ADVICE.search(s)
+            and s.rstrip(".") != "Weights only load failed"]
+    reason = " ".join(kept) or type(exc).__name__
+    if len(reason) > _REASON_LIMIT:  # the reason comes first: what is cut is detail
+        reason = reason[:_REASON_LIMIT].rsplit(" ", 1)[0] + " ..."
+    return reason
 
 
 def _unsafe_leaves(tree: Any, where: str) -> Iterator[tuple[str, str]]:

@@ -43,11 +43,20 @@ What gcsfs (2026.10) does itself -- read from gcsfs/retry.py and gcsfs/core.py:
       chunks are retried individually; the object appears only when the upload is finalized.
     So a short outage never reaches us, and one gcsfs call under a long outage can take
     half a minute or more. To keep ``deadline_s`` a real bound, each attempt against an
-    async filesystem runs under ``asyncio.wait_for`` with the time left (fsspec's
-    ``sync(..., timeout=)``), which cancels gcsfs mid-backoff. A transfer of N bytes is
-    allowed at least ``N / RetryOptions.min_throughput`` seconds per attempt so that the
-    deadline never cuts off a healthy large upload. 403 and 404 are not retried by gcsfs and
-    not by us.
+    async filesystem runs on fsspec's loop for at most the time left, and is cancelled
+    (gcsfs mid-backoff included) when that is up. A transfer of N bytes may run
+    ``N / RetryOptions.min_throughput`` seconds, past the deadline, but only once this
+    attempt has reached the endpoint (a TCP connection made or reused, seen through an
+    aiohttp trace on gcsfs's session): a healthy large upload is not cut off, and an endpoint
+    that refuses connections or never answers costs ``deadline_s`` and no more. The same
+    trace keeps the last error gcsfs retried on (gcsfs's own retries hide it), so a timeout
+    names the endpoint and, e.g., the refused connection. 403 and 404 are not retried by
+    gcsfs and not by us.
+
+Full disks
+    ENOSPC / EDQUOT on a local write is a `StorageFullError` naming the file, the
+    directory and the space left there (a write to an object store's local staging file
+    names ``TMPDIR``). A failed write never leaves its temporary or partial file behind.
 
 Emulators
     For ``gs://`` with ``STORAGE_EMULATOR_HOST`` set or an ``endpoint_url`` storage option
@@ -63,6 +72,7 @@ Emulators
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import enum
 import errno
@@ -82,6 +92,7 @@ from typing import Any, BinaryIO, TypeVar, cast
 import fsspec
 import fsspec.asyn
 import fsspec.core
+from fsspec.exceptions import FSTimeoutError
 from tenacity import (
     RetryCallState,
     Retrying,
@@ -106,6 +117,9 @@ PROBE_PREFIX = ".rt-write-probe-"
 _READ_BUFFER = 8 << 20  # open_read on object stores: one ranged GET per 8 MiB
 _MIN_ATTEMPT_S = 0.05
 _WRITE_OPS = frozenset({"write", "upload", "check_writable"})
+# No space left / over quota: the write cannot succeed until someone frees space.
+NO_SPACE_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT})
+EMULATOR_ENV = "STORAGE_EMULATOR_HOST"
 
 
 # --- options and errors ----------------------------------------------------------------
@@ -122,8 +136,9 @@ class RetryOptions:
     deadline_s: float = 120.0
     initial_s: float = 0.5
     max_wait_s: float = 10.0
-    # bytes/s: an attempt moving N bytes may run N / min_throughput s even past the deadline
-    # (the deadline bounds retrying through failures, not a healthy slow transfer).
+    # bytes/s: an attempt moving N bytes may run N / min_throughput s even past the deadline,
+    # once it has reached the endpoint (the deadline bounds retrying through failures and
+    # endpoints that never answer, not a healthy slow transfer).
     min_throughput: float = float(1 << 20)
 
     def __post_init__(self) -> None:
@@ -156,6 +171,21 @@ class StoragePermissionError(StorageError, PermissionError, PermanentError):
 
 class StorageUnavailableError(StorageError, TransientError):
     """Transient errors (throttling, 5xx, resets, timeouts) outlasted the retry deadline."""
+
+
+class StorageFullError(StorageError, PermanentError):
+    """No space left on the device (ENOSPC) or over the disk quota (EDQUOT).
+
+    ``directory`` is where the write failed, ``free_bytes`` what was left there when it
+    did (None where it cannot be told). Permanent: a rerun fills the same disk again
+    unless someone frees space.
+    """
+
+    def __init__(self, message: str, *, url: str | None = None, operation: str | None = None,
+                 directory: str | None = None, free_bytes: int | None = None) -> None:
+        super().__init__(message, url=url, operation=operation)
+        self.directory = directory
+        self.free_bytes = free_bytes
 
 
 class ErrorKind(enum.Enum):
@@ -238,6 +268,65 @@ def _describe(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
 
 
+def _no_space_in(exc: BaseException) -> OSError | None:
+    """The ENOSPC / EDQUOT error (or StorageFullError) in exc's chain. torch.save reports a
+    failed write of its file object as a RuntimeError ("unexpected pos ...") raised while
+    handling the OSError, so the chain is searched, not just exc."""
+    seen: set[int] = set()
+    e: BaseException | None = exc
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        if isinstance(e, StorageFullError) or (
+                isinstance(e, OSError) and e.errno in NO_SPACE_ERRNOS):
+            return e
+        e = e.__cause__ or e.__context__
+    return None
+
+
+def is_no_space(exc: BaseException) -> bool:
+    """Whether exc, or an exception it was raised from, is ENOSPC / EDQUOT."""
+    return _no_space_in(exc) is not None
+
+
+def free_bytes(path: str) -> int | None:
+    """Bytes an unprivileged writer may still use on the filesystem of ``path`` (or of its
+    nearest existing parent); None where that cannot be told."""
+    for candidate in _ancestors(os.path.abspath(path)):
+        if os.path.exists(candidate):
+            try:
+                return int(shutil.disk_usage(candidate).free)
+            except OSError:
+                return None
+    return None
+
+
+def format_bytes(n: int | float | None) -> str:
+    if n is None:
+        return "an unknown amount"
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} TiB"  # pragma: no cover - the loop returns
+
+
+def _no_space_error(exc: OSError, op: str, url: str, path: str, *,
+                    staging: bool = False) -> StorageFullError:
+    directory = os.path.dirname(path) or path
+    free = free_bytes(directory)
+    what = "over the disk quota" if exc.errno == errno.EDQUOT else "no space left on the device"
+    if staging:
+        fix = (f"{directory} is where uploads are staged (TMPDIR): free space there or set "
+               f"TMPDIR to a disk with room for the largest checkpoint file")
+    else:
+        fix = ("free space there (delete old checkpoints, or lower "
+               "RetentionPolicy.keep_last) or use a larger disk")
+    return StorageFullError(
+        f"{op} {url}: {what} ({_describe(exc)}); {format_bytes(free)} free in "
+        f"{directory}. {fix[0].upper()}{fix[1:]}.",
+        url=url, operation=op, directory=directory, free_bytes=free)
+
+
 class _ShortReadError(ConnectionError):
     """The connection delivered fewer bytes than the object holds (transient: read again)."""
 
@@ -264,9 +353,61 @@ def is_under_mount(path: str, mounts: Sequence[str]) -> bool:
     return False
 
 
-def _make_gcs_filesystem(options: dict[str, Any]) -> Any:
+class _ConnectionTrace:
+    """What gcsfs's aiohttp session did, seen through an aiohttp ``TraceConfig``: how many
+    connections reached the endpoint (made or reused), and the last request error. gcsfs
+    retries connection errors itself, so without this a cancelled attempt says only
+    "timeout"; and a transfer gets its throughput allowance only once it got through."""
+
+    def __init__(self) -> None:
+        self.reached = 0
+        self.last_error: tuple[float, BaseException] | None = None
+        self._config: Any = None
+
+    def config(self) -> Any:
+        """One TraceConfig per trace: fsspec caches filesystems by their arguments, and the
+        same object keeps Storages with equal options on one filesystem (one session)."""
+        if self._config is None:
+            self._config = self._make_config()
+        return self._config
+
+    def _make_config(self) -> Any:
+        import aiohttp
+
+        async def reached(_session: Any, _ctx: Any, _params: Any) -> None:
+            self.reached += 1
+
+        async def failed(_session: Any, _ctx: Any, params: Any) -> None:
+            self.last_error = (time.monotonic(), params.exception)
+
+        trace = aiohttp.TraceConfig()
+        trace.on_connection_create_end.append(reached)
+        trace.on_connection_reuseconn.append(reached)
+        trace.on_request_exception.append(failed)
+        return trace
+
+    def error_since(self, t: float) -> BaseException | None:
+        last = self.last_error
+        return last[1] if last is not None and last[0] >= t else None
+
+
+# Per distinct storage options: Storages with equal options share gcsfs's cached instance.
+_TRACES: dict[str, _ConnectionTrace] = {}
+
+
+def _trace_for(options: Mapping[str, Any]) -> _ConnectionTrace:
+    key = repr(sorted(options.items(), key=lambda kv: kv[0]))
+    return _TRACES.setdefault(key, _ConnectionTrace())
+
+
+def _make_gcs_filesystem(options: dict[str, Any], trace: _ConnectionTrace | None = None
+                         ) -> Any:
     # No stale listings: other ranks and processes write to the same prefix.
     options.setdefault("use_listings_cache", False)
+    if trace is not None:
+        session = dict(options.get("session_kwargs") or {})
+        session["trace_configs"] = [*session.get("trace_configs", ()), trace.config()]
+        options["session_kwargs"] = session
     if not uses_gcs_emulator(options):
         return fsspec.filesystem("gs", **options)
     os.environ.setdefault(GCSFS_HNS_ENV, "false")  # effective only if gcsfs is not imported yet
@@ -279,6 +420,16 @@ def _make_gcs_filesystem(options: dict[str, Any]) -> Any:
         logger.debug("gcsfs was imported with %s enabled; using the plain GCSFileSystem "
                      "for the emulator", GCSFS_HNS_ENV)
     return PlainGCSFileSystem(**options)
+
+
+def _gcs_endpoint(fs: Any, options: Mapping[str, Any]) -> str:
+    """The base URL gcsfs talks to, and where it came from (for error messages)."""
+    location = str(getattr(fs, "_location", "") or "the Cloud Storage endpoint")
+    if isinstance(options.get("endpoint_url"), str) and options["endpoint_url"]:
+        return f"{location} (storage option endpoint_url)"
+    if os.environ.get(EMULATOR_ENV, "") not in ("", "default"):
+        return f"{location} (from {EMULATOR_ENV})"
+    return location
 
 
 def _check_rel(rel: str, *, allow_root: bool) -> str:
@@ -317,6 +468,8 @@ class Storage:
         self._retry = retry
         protocol, rest = fsspec.core.split_protocol(url)
         self._fs: Any = None
+        self._trace: _ConnectionTrace | None = None
+        self._endpoint: str | None = None
         self._protocol = protocol or "file"
         if protocol in (None, "file", "local"):
             self._root = os.path.abspath(os.path.expanduser(rest))
@@ -325,8 +478,10 @@ class Storage:
         else:
             options = dict(storage_options or {})
             if protocol in ("gs", "gcs"):
-                self._fs = _make_gcs_filesystem(options)
+                self._trace = _trace_for(options)
+                self._fs = _make_gcs_filesystem(options, self._trace)
                 root = self._fs._strip_protocol(url)
+                self._endpoint = _gcs_endpoint(self._fs, options)
             else:
                 self._fs, root = fsspec.core.url_to_fs(url, **options)
             self._root = root.rstrip("/") or root
@@ -380,18 +535,49 @@ class Storage:
     def _remote(self, rel: str) -> str:
         return f"{self._root}/{rel}" if rel else self._root
 
-    def _fs_call(self, name: str, *args: Any, timeout: float | None, **kwargs: Any) -> Any:
+    def _fs_call(self, name: str, *args: Any, timeout: _Budget | None, **kwargs: Any) -> Any:
         fs = self._fs
         if timeout is not None and getattr(fs, "async_impl", False) \
                 and not getattr(fs, "asynchronous", False):
-            # wait_for cancels the coroutine (and gcsfs's own backoff) when time is up.
-            return fsspec.asyn.sync(fs.loop, getattr(fs, "_" + name), *args,
-                                    timeout=timeout, **kwargs)
+            return self._run_bounded(name, getattr(fs, "_" + name)(*args, **kwargs), timeout)
         return getattr(fs, name)(*args, **kwargs)
 
-    def _retrying(self, op: str, rel: str, fn: Callable[[float | None], T], *,
+    def _run_bounded(self, name: str, coro: Any, budget: _Budget) -> Any:
+        """Run an fsspec coroutine on its loop for at most ``budget.remaining_s``, or
+        ``budget.transfer_s`` once this attempt has reached the endpoint; then cancel it
+        (gcsfs mid-backoff included) and raise FSTimeoutError."""
+        fut = asyncio.run_coroutine_threadsafe(coro, self._fs.loop)
+        start = time.monotonic()
+        trace = self._trace
+        reached_before = trace.reached if trace is not None else 0
+        limit = start + budget.remaining_s
+        extended = False
+        try:
+            while True:
+                try:
+                    # Slices of a second, so that a signal (Ctrl-C) gets through.
+                    return fut.result(timeout=max(0.0, min(limit - time.monotonic(), 1.0)))
+                except concurrent.futures.TimeoutError:
+                    if fut.done():
+                        raise  # the coroutine's own timeout, not ours
+                if time.monotonic() < limit:
+                    continue
+                # Where no trace can tell (other async filesystems), grant the allowance.
+                got_through = trace is None or trace.reached > reached_before
+                if not extended and got_through and budget.transfer_s > budget.remaining_s:
+                    extended = True
+                    limit = start + budget.transfer_s
+                    continue
+                raise FSTimeoutError(
+                    f"{name}: no answer within {time.monotonic() - start:.1f}s"
+                    + ("" if got_through else " (no connection to the endpoint was made)"))
+        finally:
+            if not fut.done():
+                fut.cancel()
+
+    def _retrying(self, op: str, rel: str, fn: Callable[[_Budget | None], T], *,
                   nbytes: int = 0) -> T:
-        """Run fn(attempt_timeout) with retries on transient errors; translate failures."""
+        """Run fn(attempt_budget) with retries on transient errors; translate failures."""
         opts = self._retry
         start = time.monotonic()
         deadline = start + opts.deadline_s
@@ -411,11 +597,11 @@ class Storage:
         def attempt() -> T:
             nonlocal attempts
             attempts += 1
-            timeout = None
+            budget = None
             if self._fs is not None:
-                timeout = max(deadline - time.monotonic(), nbytes / opts.min_throughput,
-                              _MIN_ATTEMPT_S)
-            return fn(timeout)
+                budget = _Budget(max(deadline - time.monotonic(), _MIN_ATTEMPT_S),
+                                 nbytes / opts.min_throughput)
+            return fn(budget)
 
         retrying = Retrying(stop=stop_after_delay(opts.deadline_s), wait=wait,
                             retry=retry_if_exception(is_transient), reraise=True,
@@ -423,24 +609,28 @@ class Storage:
         try:
             return retrying(attempt)
         except Exception as exc:
-            translated = self._translate(exc, op, rel, attempts, time.monotonic() - start)
+            translated = self._translate(exc, op, rel, attempts, time.monotonic() - start,
+                                         since=start)
             if translated is exc:
                 raise
             raise translated from exc
 
     def _translate(self, exc: Exception, op: str, rel: str, attempts: int,
-                   elapsed: float) -> Exception:
+                   elapsed: float, *, since: float | None = None) -> Exception:
         if isinstance(exc, StorageError):
             return exc
         url = self.url_of(rel)
+        if isinstance(exc, OSError) and exc.errno in NO_SPACE_ERRNOS and self._fs is None:
+            return _no_space_error(exc, op, url, self._local(rel))
         kind = classify_error(exc)
         what = _describe(exc)
         if kind is ErrorKind.TRANSIENT:
             return StorageUnavailableError(
                 f"{op} {url}: storage unavailable, still failing after {attempts} attempt(s) "
-                f"over {elapsed:.1f}s (last error: {what}). The service is down, throttling "
-                f"or unreachable: check the network and endpoint, rerun later, or raise "
-                f"RetryOptions.deadline_s (now {self._retry.deadline_s:g}s).",
+                f"over {elapsed:.1f}s (last error: {what}){self._endpoint_hint(exc, since)}. "
+                f"The service is down, throttling or unreachable: check the network and "
+                f"endpoint, rerun later, or raise RetryOptions.deadline_s (now "
+                f"{self._retry.deadline_s:g}s).",
                 url=url, operation=op)
         if kind is ErrorKind.NOT_FOUND:
             if self._protocol in ("gs", "gcs") and op in _WRITE_OPS:
@@ -471,6 +661,20 @@ class Storage:
             return StorageError(f"{op} {url} failed: {what}", url=url, operation=op)
         return exc  # a programming error: keep its type and traceback
 
+    def _endpoint_hint(self, exc: BaseException, since: float | None) -> str:
+        """For object stores: which endpoint, and what the connection itself last said
+        (gcsfs retries connection errors and a cancelled attempt hides them)."""
+        if self._endpoint is None:
+            return ""
+        underlying = self._trace.error_since(since) if self._trace and since else None
+        hint = f"; endpoint {self._endpoint}"
+        if _refused(exc) or (underlying is not None and _refused(underlying)):
+            hint += (" refused the connection (nothing listens there: is the emulator or "
+                     "proxy running, is the host and port right?)")
+        if underlying is not None and underlying is not exc:
+            hint += f"; the connection's last error: {_describe(underlying)}"
+        return hint
+
     # -- writing
 
     def write_bytes(self, rel: str, data: bytes | bytearray | memoryview, *,
@@ -498,11 +702,16 @@ class Storage:
         if self._fuse:
             path = self._local(rel)
             os.makedirs(os.path.dirname(path), exist_ok=True)
-            with open(path, "wb") as f:
+            f = open(path, "wb")  # noqa: SIM115 - closed below on every path
+            try:
                 f.write(data)
                 f.flush()
                 if durable:
                     os.fsync(f.fileno())
+                f.close()
+            except BaseException:
+                _discard(f, path)  # close would upload a partial object
+                raise
             return
         with self._local_atomic_file(rel, durable=durable) as f:
             f.write(data)
@@ -524,10 +733,9 @@ class Storage:
             raise self._translate(exc, "write", rel, 1, 0.0) from exc
         try:
             yield cast(BinaryIO, f)
-        except BaseException:
-            f.close()
-            with contextlib.suppress(OSError):
-                os.unlink(tmp)
+        except BaseException as exc:
+            _discard(f, tmp)
+            self._raise_if_no_space(exc, rel, path)  # a write to f: name the path
             raise
         try:
             f.flush()
@@ -538,10 +746,18 @@ class Storage:
             if durable:
                 _fsync_directory(directory)  # the new name survives a power loss
         except OSError as exc:
-            f.close()
-            with contextlib.suppress(OSError):
-                os.unlink(tmp)
+            _discard(f, tmp)
             raise self._translate(exc, "write", rel, 1, 0.0) from exc
+
+    def _raise_if_no_space(self, exc: BaseException, rel: str, path: str, *,
+                           staging: bool = False) -> None:
+        """A full disk met while writing ``path`` for rel: raise it as StorageFullError."""
+        found = _no_space_in(exc)
+        if isinstance(found, StorageFullError):
+            return  # already says where
+        if found is not None:
+            raise _no_space_error(found, "write", self.url_of(rel), path,
+                                  staging=staging) from exc
 
     def local_path(self, rel: str = "") -> str | None:
         """The file's real path on plain local disk (for mmap); None elsewhere."""
@@ -576,17 +792,29 @@ class Storage:
                 f = open(path, "wb")  # noqa: SIM115 - closed below on every path
             except OSError as exc:
                 raise self._translate(exc, "write", rel, 1, 0.0) from exc
-            with f:
+            # A failed write removes what it wrote: on a full disk a partial file would keep
+            # the space, and every later save would fail too.
+            try:
                 yield cast(BinaryIO, f)
-                try:
-                    f.flush()
-                    os.fsync(f.fileno())
-                except OSError as exc:
-                    raise self._translate(exc, "write", rel, 1, 0.0) from exc
+            except BaseException as exc:
+                _discard(f, path)
+                self._raise_if_no_space(exc, rel, path)
+                raise
+            try:
+                f.flush()
+                os.fsync(f.fileno())
+                f.close()
+            except OSError as exc:
+                _discard(f, path)
+                raise self._translate(exc, "write", rel, 1, 0.0) from exc
             return
         with tempfile.NamedTemporaryFile(prefix=TMP_FILE_PREFIX, suffix=".upload") as spool:
-            yield cast(BinaryIO, spool)
-            spool.flush()
+            try:
+                yield cast(BinaryIO, spool)
+                spool.flush()
+            except Exception as exc:
+                self._raise_if_no_space(exc, rel, spool.name, staging=True)
+                raise
             size = os.fstat(spool.fileno()).st_size
             if self._fs is None:  # FUSE: one sequential copy, then close uploads it
                 self._retrying("write", rel,
@@ -601,10 +829,16 @@ class Storage:
     def _copy_to_fuse(self, src: str, rel: str) -> None:
         path = self._local(rel)
         os.makedirs(os.path.dirname(path), exist_ok=True)
-        with open(src, "rb") as fin, open(path, "wb") as fout:
-            shutil.copyfileobj(fin, fout, 8 << 20)
-            fout.flush()
-            os.fsync(fout.fileno())
+        with open(src, "rb") as fin:
+            fout = open(path, "wb")  # noqa: SIM115 - closed below on every path
+            try:
+                shutil.copyfileobj(fin, fout, 8 << 20)
+                fout.flush()
+                os.fsync(fout.fileno())
+                fout.close()
+            except BaseException:
+                _discard(fout, path)  # close would upload a partial object
+                raise
 
     # -- reading
 
@@ -613,7 +847,7 @@ class Storage:
         if self._fs is None:
             path = self._local(rel)
 
-            def read_local(_t: float | None) -> bytes:
+            def read_local(_t: _Budget | None) -> bytes:
                 with open(path, "rb") as f:
                     return f.read()
 
@@ -622,7 +856,7 @@ class Storage:
         # Size first: it sizes the attempt's time allowance and catches a short read.
         size = self.size(rel)
 
-        def read_remote(t: float | None) -> bytes:
+        def read_remote(t: _Budget | None) -> bytes:
             data = self._fs_call("cat_file", path, timeout=t)
             if len(data) != size:
                 raise _ShortReadError(f"got {len(data)} of {size} bytes")
@@ -661,7 +895,7 @@ class Storage:
         """
         rel = _check_rel(rel, allow_root=True)
 
-        def check(t: float | None) -> bool:
+        def check(t: _Budget | None) -> bool:
             try:
                 if self._fs is None:
                     os.stat(self._local(rel))
@@ -682,7 +916,7 @@ class Storage:
         if self._fs is None:
             path = self._local(rel)
 
-            def list_local(_t: float | None) -> list[str]:
+            def list_local(_t: _Budget | None) -> list[str]:
                 try:
                     names = os.listdir(path)
                 except (FileNotFoundError, NotADirectoryError):
@@ -692,7 +926,7 @@ class Storage:
             return self._retrying("list", rel, list_local)
         path = self._remote(rel)
 
-        def list_remote(t: float | None) -> list[str]:
+        def list_remote(t: _Budget | None) -> list[str]:
             try:
                 entries = self._fs_call("ls", path, detail=True, timeout=t)
             except FileNotFoundError:
@@ -715,7 +949,7 @@ class Storage:
         if self._fs is None:
             path = self._local(rel)
 
-            def delete_local(_t: float | None) -> None:
+            def delete_local(_t: _Budget | None) -> None:
                 try:
                     if os.path.isdir(path) and not os.path.islink(path):
                         if recursive:
@@ -731,7 +965,7 @@ class Storage:
             return
         path = self._remote(rel)
 
-        def delete_remote(t: float | None) -> None:
+        def delete_remote(t: _Budget | None) -> None:
             try:
                 self._fs_call("rm", path, recursive=recursive, timeout=t)
                 return
@@ -773,7 +1007,7 @@ class Storage:
                 f"Storage.atomic_rename and write in place with the commit marker last")
         src, dst = self._local(src_rel), self._local(dst_rel)
 
-        def rename(_t: float | None) -> None:
+        def rename(_t: _Budget | None) -> None:
             os.makedirs(os.path.dirname(dst), exist_ok=True)
             try:
                 os.rename(src, dst)
@@ -813,7 +1047,7 @@ class Storage:
                 operation="check")
         bucket = self._root.split("/", 1)[0]
         if self._protocol in ("gs", "gcs") and bucket:
-            def check(t: float | None) -> None:
+            def check(t: _Budget | None) -> None:
                 self._fs_call("info", bucket, timeout=t)
 
             try:
@@ -824,8 +1058,9 @@ class Storage:
                     "bucket name and project", url=self._url, operation="check") from None
 
     def check_writable(self) -> None:
-        """Write and delete a probe under the root, so a missing bucket or a permission
-        problem fails now with a clear error, not at the first save hours later."""
+        """Write and delete a probe under the root, so a missing bucket, a permission
+        problem or a full disk fails now with a clear error, not at the first save hours
+        later. The probe never stays behind, whether it was written or not."""
         probe = f"{PROBE_PREFIX}{uuid.uuid4().hex[:12]}"
         if self._fs is None:
             blocker = next((path for path in _ancestors(self._root)
@@ -835,14 +1070,47 @@ class Storage:
                     f"cannot use {self._url} as a checkpoint directory: {blocker} is a file; "
                     "pass a directory path (it is created if missing)", url=self._url,
                     operation="check_writable")
-            self._retrying("check_writable", probe,
-                           lambda _t: self._write_local(probe, b"probe", durable=False))
-        else:
-            path = self._remote(probe)
-            self._retrying("check_writable", probe,
-                           lambda t: self._fs_call("pipe_file", path, b"probe", timeout=t))
+        try:
+            if self._fs is None:
+                self._retrying("check_writable", probe,
+                               lambda _t: self._write_local(probe, b"probe", durable=False))
+            else:
+                path = self._remote(probe)
+                self._retrying("check_writable", probe,
+                               lambda t: self._fs_call("pipe_file", path, b"probe", timeout=t))
+        except BaseException:
+            # A write that failed may still have created it (an upload whose answer was lost).
+            if self._fs is None:
+                with contextlib.suppress(OSError):
+                    os.unlink(self._local(probe))
+            raise
         self.delete(probe)
         logger.debug("storage %s is writable", self._url)
+
+
+@dataclass(frozen=True)
+class _Budget:
+    """One attempt's time: ``remaining_s`` until the retry deadline, and ``transfer_s`` that
+    moving its bytes may take at ``RetryOptions.min_throughput`` once the endpoint answers."""
+
+    remaining_s: float
+    transfer_s: float
+
+
+def _refused(exc: BaseException) -> bool:
+    """A refused TCP connection, as such or inside aiohttp's ClientConnectorError."""
+    seen: set[int] = set()
+    e: BaseException | None = exc
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        if isinstance(e, ConnectionRefusedError) or (
+                isinstance(e, OSError) and e.errno == errno.ECONNREFUSED):
+            return True
+        os_error = getattr(e, "os_error", None)  # aiohttp.ClientConnectorError
+        if isinstance(os_error, BaseException) and _refused(os_error):
+            return True
+        e = e.__cause__ or e.__context__
+    return False
 
 
 def _ancestors(path: str) -> list[str]:
@@ -885,7 +1153,7 @@ class _RangeReader(io.RawIOBase):
         if end <= start:
             return b""
 
-        def fetch(t: float | None) -> bytes:
+        def fetch(t: _Budget | None) -> bytes:
             data = self._storage._fs_call("cat_file", self._path, start=start, end=end,
                                           timeout=t)
             if len(data) != end - start:
@@ -904,6 +1172,15 @@ class _RangeReader(io.RawIOBase):
 
     def readall(self) -> bytes:
         return self._fetch(self._size - self._pos)  # one request, not 8 KiB at a time
+
+
+def _discard(f: BinaryIO | io.IOBase, path: str) -> None:
+    """Close a file that failed and remove it; never raises. (Closing a buffered file whose
+    flush failed raises the same error again: that must not skip the removal.)"""
+    with contextlib.suppress(OSError, ValueError):
+        f.close()
+    with contextlib.suppress(OSError):
+        os.unlink(path)
 
 
 def _fsync_directory(path: str) -> None:

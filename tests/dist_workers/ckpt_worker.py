@@ -116,6 +116,49 @@ def replicated_save(ckpt: str, coord: Coordinator) -> dict[str, Any]:
     return saved
 
 
+def full_disk(ckpt: str, coord: Coordinator) -> dict[str, Any]:
+    """Rank 1's file of step 2 meets a full disk (ENOSPC after 1000 bytes, injected into its
+    own write): it must still report to the primary, so nobody waits in the commit's gather
+    for it; the primary removes step 2's directory; step 1 stays; step 3 commits."""
+    import contextlib
+    import errno
+
+    from resilient_train.checkpoint.storage import Storage
+
+    model, wrapped, opt = ddp_model(0)
+    mgr = CheckpointManager(ckpt, options=CheckpointOptions(policy=never(), async_save=False),
+                            coordinator=coord)
+    mgr.track(model=model, optimizer=opt)
+    train_step(wrapped, opt)
+    mgr.save(1)
+    real = Storage.open_write
+
+    @contextlib.contextmanager
+    def full(self: Storage, rel: str, **kw: Any) -> Any:
+        with real(self, rel, **kw) as f:
+            if RANK == 1 and "step-000000000002" in rel:
+                f.write(b"x" * 1000)
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+            yield f
+
+    Storage.open_write = full  # type: ignore[method-assign]
+    train_step(wrapped, opt)
+    error = ""
+    try:
+        mgr.save(2)
+    except Exception as exc:  # noqa: BLE001 - the test reads it
+        error = f"{type(exc).__name__}: {exc}"
+    finally:
+        Storage.open_write = real  # type: ignore[method-assign]
+    coord.allreduce_max([0])  # both past the failed save (and the primary's clean-up)
+    listing = sorted(os.listdir(ckpt))
+    train_step(wrapped, opt)
+    mgr.save(3)
+    committed = mgr.last_commit_step
+    mgr.close()
+    return {"error": error, "listing": listing, "committed": committed}
+
+
 def replicated_restore(ckpt: str, coord: Coordinator) -> dict[str, Any]:
     model, _wrapped, opt = ddp_model(7)  # different weights: the restore must replace them
     seed_all(999)
@@ -358,6 +401,7 @@ SCENARIOS: dict[str, Callable[[str, Coordinator], dict[str, Any]]] = {
     "sharded_gcs": sharded_gcs,
     "replicated_save": replicated_save,
     "replicated_restore": replicated_restore,
+    "full_disk": full_disk,
     "corrupt": corrupt,
     "timed_saves": timed_saves,
     "auto_saves": auto_saves,
