@@ -110,7 +110,7 @@ def _parser() -> argparse.ArgumentParser:
     lp.add_argument("--chaos", default="", metavar="SPEC",
                     help="faults to inject: KIND[:REPLICA]@TIME[/GRACE] or KIND~MEAN[xCOUNT], "
                     "comma-separated, or @FILE; kinds: kill, maintenance, preempt, oom, "
-                    "stockout, internal")
+                    "stockout, internal, hang (hang:1@step40+30s), slow (slow:1@20s+60s*0.25)")
     lp.add_argument("--chaos-seed", type=int, default=0)
     lp.add_argument("--policy", type=Path, help="restart policy JSON file (default: the platform's)")
     lp.add_argument("--strategy", choices=[s.value for s in Strategy],

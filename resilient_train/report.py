@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from .goodput import redone_steps
-from .launcher.record import JOB_FILE, read_job, telemetry_prefixes
+from .launcher.record import JOB_FILE, mask_command, read_job, telemetry_prefixes
 from .telemetry import LifeTelemetry, Segment, read_life
 
 log = logging.getLogger(__name__)
@@ -191,12 +191,17 @@ class _Lane:
 
 
 _FAULT_PATTERNS = [
-    (re.compile(r"^chaos: (?P<kind>[\w-]+) on (?P<target>\S+)( at step \d+)?$"), None),
+    # hang and slow go on: "... at step 40 for 30 s", "... at step 40: 25% speed for 60 s"
+    (re.compile(r"^chaos: (?P<kind>[\w-]+) on (?P<target>[^\s:]+)( at step \d+)?($|:? )"),
+     None),
     (re.compile(r"^chaos: (?P<kind>[\w-]+) \(whole job\)"), None),
     (re.compile(r"^(?P<target>\S+): out of memory\b"), "oom"),
     (re.compile(r"^(?P<target>\S+): killed by the kernel's out-of-memory killer"), "oom"),
     (re.compile(r"^(?P<target>\S+): killed by \S+ from outside"), "kill"),
 ]
+
+
+_STALL_KINDS = ("hang", "slow")   # the replica stays alive: no restart needed to recover
 
 
 def _fault(event: Mapping[str, Any], index: int) -> _Fault:
@@ -379,6 +384,19 @@ def _costs(faults: Sequence[_Fault], events: Sequence[Mapping[str, Any]],
         restart = next((float(e["elapsed_s"]) for e in after
                         if e.get("kind") == "started"
                         and (f.target is None or e.get("replica") == f.target)), f.t)
+        if f.kind in _STALL_KINDS:
+            # A hang or slow-down whose duration ran out before anything restarted: the
+            # replica went on where it was, so its end is the recovery and nothing is redone.
+            over = re.compile(rf"^chaos: {re.escape(str(f.target))} resumed( full speed)? "
+                              r"after [\d.]+ s$")
+            end = next((i for i, e in enumerate(after) if over.match(str(e.get("message", "")))),
+                       None)
+            if end is not None and not any(e.get("kind") in ("started", "decision")
+                                           for e in after[:end]):
+                t_end = float(after[end]["elapsed_s"])
+                out.append(_Cost(_step_at(primary_segments, f.t), "", t_end,
+                                 _step_at(primary_segments, t_end), 0))
+                continue
         resumed = next((s for s in primary_segments if s.t_start >= restart), None)
         redone: int | None = None
         if resumed is not None:
@@ -722,7 +740,8 @@ def _header(job: Mapping[str, Any], wall: float | None, finished: bool) -> str:
             ("replicas", _esc(", ".join(str(r) for r in job.get("replicas") or [])))]
     command = (job.get("job_spec") or {}).get("command")
     if command:
-        rows.append(("command", f"<code>{_esc(' '.join(str(c) for c in command))}</code>"))
+        # Masked again: a record written before masking may hold a --token=... verbatim.
+        rows.append(("command", f"<code>{_esc(' '.join(mask_command(command)))}</code>"))
     exit_status = job.get("exit_status")
     if exit_status is not None:
         rows.append(("exit status", _esc(exit_status)))

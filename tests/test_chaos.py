@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -8,6 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from resilient_train.launcher.chaos import (
+    DEFAULT_SLOW_SPEED,
     RANDOM_FAULT_CAP,
     ChaosSchedule,
     ChaosSpec,
@@ -37,7 +39,9 @@ def test_parse_duration(text: str, seconds: float) -> None:
 
 def test_fault_kind_scope() -> None:
     replica = {k for k in FaultKind if k.targets_replica}
-    assert replica == {FaultKind.KILL, FaultKind.MAINTENANCE, FaultKind.PREEMPT, FaultKind.OOM}
+    assert replica == {FaultKind.KILL, FaultKind.MAINTENANCE, FaultKind.PREEMPT, FaultKind.OOM,
+                       FaultKind.HANG, FaultKind.SLOW}
+    assert {k for k in FaultKind if k.stalls} == {FaultKind.HANG, FaultKind.SLOW}
     assert {k for k in FaultKind if k.job_wide} == {FaultKind.STOCKOUT, FaultKind.INTERNAL}
 
 
@@ -69,6 +73,62 @@ def test_parse_examples(text: str, expected: ChaosSpec) -> None:
     assert parse_chaos(text) == expected
 
 
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("hang:1@step40", Fault(FaultKind.HANG, math.inf, "1", at_step=40)),
+        ("hang:1@step40+30s", Fault(FaultKind.HANG, math.inf, "1", at_step=40, duration=30.0)),
+        ("hang@1m+1.5m", Fault(FaultKind.HANG, 60.0, duration=90.0)),
+        ("slow:1@20s+60s*0.25",
+         Fault(FaultKind.SLOW, 20.0, "1", duration=60.0, speed=0.25)),
+        ("slow:workerpool1-0@step5*25%",
+         Fault(FaultKind.SLOW, math.inf, "workerpool1-0", at_step=5, speed=0.25)),
+        ("slow:1@2s", Fault(FaultKind.SLOW, 2.0, "1", speed=DEFAULT_SLOW_SPEED)),
+        (" SLOW : 1 @ 2s + 3s * 0.1 ", Fault(FaultKind.SLOW, 2.0, "1", duration=3.0, speed=0.1)),
+        ("hang~30s+10s", RandomFault(FaultKind.HANG, 30.0, duration=10.0)),
+        ("slow:2~1mx3+20s*0.5",
+         RandomFault(FaultKind.SLOW, 60.0, "2", 3, duration=20.0, speed=0.5)),
+        ("preempt:1@5s/2s", Fault(FaultKind.PREEMPT, 5.0, "1", 2.0)),   # unchanged
+    ],
+)
+def test_parse_hang_and_slow(text: str, expected: Fault | RandomFault) -> None:
+    spec = parse_chaos(text)
+    assert (*spec.faults, *spec.random) == (expected,)
+
+
+def test_hang_and_slow_in_json_and_in_the_schedule(tmp_path: Path) -> None:
+    path = tmp_path / "chaos.json"
+    path.write_text(json.dumps({
+        "faults": [{"kind": "hang", "at_step": 40, "target": 1, "duration": "30s"},
+                   {"kind": "slow", "at": "20s", "target": "workerpool1-1", "duration": 60,
+                    "speed": "25%"},
+                   {"kind": "hang", "at": 5}],
+        "random": [{"kind": "slow", "mean": "1m", "count": 2, "speed": 0.5,
+                    "duration": "10s"}]}))
+    spec = load_chaos(f"@{path}")
+    assert spec.faults == (
+        Fault(FaultKind.HANG, math.inf, "1", at_step=40, duration=30.0),
+        Fault(FaultKind.SLOW, 20.0, "workerpool1-1", duration=60.0, speed=0.25),
+        Fault(FaultKind.HANG, 5.0))
+    assert spec.random == (RandomFault(FaultKind.SLOW, 60.0, None, 2, None, 10.0, 0.5),)
+    sched = ChaosSchedule(spec, REPLICAS)
+    assert sched.due_at_step(40) == [ScheduledFault(FaultKind.HANG, math.inf, "workerpool1-0",
+                                                    None, 40, 30.0)]
+    timed = sched.due(float("inf"))
+    assert ScheduledFault(FaultKind.SLOW, 20.0, "workerpool1-1", None, None, 60.0,
+                          0.25) in timed
+    randoms = [f for f in timed if f.kind is FaultKind.SLOW and f.target != "workerpool1-1"]
+    assert len(randoms) == 2 and {(f.duration, f.speed) for f in randoms} == {(10.0, 0.5)}
+    for bad, fragment in [({"kind": "kill", "at": 1, "duration": "5s"}, "only to hang and slow"),
+                          ({"kind": "hang", "at": 1, "speed": 0.5}, "only to slow"),
+                          ({"kind": "slow", "at": 1, "speed": True}, "between 0 and 1"),
+                          ({"kind": "slow", "at": 1, "speed": 1}, "between 0 and 1"),
+                          ({"kind": "hang", "at": 1, "for": "5s"}, "allowed: at, at_step")]:
+        path.write_text(json.dumps({"faults": [bad]}))
+        with pytest.raises(ChaosSpecError, match=fragment):
+            load_chaos(f"@{path}")
+
+
 def test_spec_truthiness_and_seed() -> None:
     assert not ChaosSpec()
     assert parse_chaos("kill@1s", seed=7).seed == 7
@@ -90,6 +150,18 @@ def test_spec_truthiness_and_seed() -> None:
         ("kill~5sx0", ["integer >= 1"]),
         ("kill@1s,,oom@2s", ["empty item 2"]),
         ("kill:@1s", ["bad target ''"]),
+        ("kill:1@5s+30s", ["duration applies only to hang and slow", "on kill", "+DURATION"]),
+        ("hang:1@5s*0.5", ["speed applies only to slow", "drop the *SPEED"]),
+        ("hang:1@5s/5s", ["grace period applies only to maintenance and preempt"]),
+        ("preempt:1@5s+3s/2s", ["duration applies only to hang and slow"]),
+        ("slow:1@5s*1.5", ["between 0 and 1", "25%", "'1.5'", "is a hang"]),
+        ("slow:1@5s*0", ["between 0 and 1"]),
+        ("slow:1@5s*fast", ["between 0 and 1", "'fast'"]),
+        ("slow:1@5s*0.5+30s", ["out of order", "@WHEN+DURATION*SPEED/GRACE"]),
+        ("hang:1@step40+0s", ["duration", "must be > 0"]),
+        ("hang:1@step40+soon", ["bad duration", "'soon'"]),
+        ("hang:1@", ["bad time", "hang:1@step40+30s", "slow:1@20s+60s*0.25"]),
+        ("hang~0s+1s", ["must be > 0"]),
     ],
 )
 def test_parse_errors_name_item_and_fix(text: str, fragments: list[str]) -> None:

@@ -179,6 +179,104 @@ def test_unreadable_files_name_the_file_and_the_place(tmp_path: Path) -> None:
         load_job_spec(top_list)
 
 
+# --- bounds: size, aliases, depth, quotes ------------------------------------------------
+
+# "Billion laughs": nine aliases of nine aliases ... of "lol", 9**9 of them, in 500 bytes.
+# replicaCount must be an integer, so an error quotes it: written out in full, that is GBs.
+LAUGHS = ", ".join(f"&{name} [{', '.join([f'*{prev}' if prev else 'lol'] * 9)}]"
+                   for prev, name in zip([None, *"abcdefgh"], "abcdefghi"))
+BOMB = textwrap.dedent(f"""\
+    workerPoolSpecs:
+      - replicaCount: [{LAUGHS}]
+        machineSpec: {{machineType: n1-standard-4}}
+        containerSpec: {{imageUri: example.com/img:1, command: [python, t.py]}}
+    """)
+# Load it in a process that cannot take more than 1 GiB of address space, so that a
+# loader that expands it fails there (MemoryError) instead of swamping this machine.
+LOAD_BOUNDED = """
+import resource, sys, time
+resource.setrlimit(resource.RLIMIT_AS, (1 << 30, 1 << 30))
+import yaml
+from resilient_train.launcher.jobspec import JobSpecError, load_job_spec
+t = time.monotonic()
+try:
+    load_job_spec(sys.argv[1])
+except JobSpecError as exc:
+    print(time.monotonic() - t)
+    # VmHWM, not ru_maxrss: after fork + exec, ru_maxrss keeps the parent's peak (pytest's).
+    with open("/proc/self/status") as f:
+        print(next(int(l.split()[1]) * 1024 for l in f if l.startswith("VmHWM:")))
+    print(exc)
+"""
+
+
+def test_a_yaml_alias_bomb_is_refused_at_once_in_little_memory(tmp_path: Path) -> None:
+    path = tmp_path / "bomb.yaml"
+    path.write_text(BOMB)
+    assert len(BOMB) < 600
+    done = subprocess.run([sys.executable, "-c", LOAD_BOUNDED, str(path)], capture_output=True,
+                          text=True, timeout=60, cwd=ROOT, check=False)
+    assert done.returncode == 0, done.stderr[-2000:]
+    seconds, peak_rss, message = done.stdout.split("\n", 2)
+    assert float(seconds) < 5.0, done.stdout   # (milliseconds, unless the machine is busy)
+    assert int(peak_rss) < 200 * 2**20, done.stdout   # the interpreter, not the bomb
+    assert message.startswith(f"job spec {path}: its aliases (*name) expand it to more than "
+                              f"{4 << 20} nodes and characters (from line ")
+    assert "alias bomb" in message and len(message) < 400
+
+
+def test_aliases_that_share_a_block_between_pools_are_allowed(tmp_path: Path) -> None:
+    path = tmp_path / "shared.yaml"
+    path.write_text(textwrap.dedent("""\
+        workerPoolSpecs:
+          - replicaCount: 1
+            machineSpec: &machine {machineType: n1-standard-4}
+            containerSpec: &container
+              imageUri: example.com/img:1
+              command: [python, t.py]
+              env: [{name: A, value: "1"}]
+          - {replicaCount: 2, machineSpec: *machine, containerSpec: *container}
+        """))
+    spec = load_job_spec(path)
+    assert spec.pools == (("workerpool0", 1), ("workerpool1", 2))
+    assert dict(spec.env) == {"A": "1"} and spec.notes_for("command", "env") == []
+
+
+@pytest.mark.parametrize("name, text, message", [
+    ("recursive.yaml", "workerPoolSpecs: &w [*w]\n",
+     "an alias at line 1 refers to a node that contains it; a job spec cannot be recursive"),
+    ("deep.yaml", "workerPoolSpecs: " + "[" * 100 + "]" * 100 + "\n",
+     "nested more than 64 levels deep at line 1; a CustomJob spec needs about ten"),
+    ("deep.json", "[" * 100_000 + "]" * 100_000,
+     "nested more than 64 levels deep; a CustomJob spec needs about ten"),
+    ("deep-enough.json", "[" * 65 + "]" * 65,
+     "nested more than 64 levels deep; a CustomJob spec needs about ten"),
+    ("big.yaml", "#" * (1 << 20) + "\n",
+     ("larger than 1 MiB; a CustomJob spec is a few KiB (pools, commands, env): is it the "
+      "right file?")),
+    ("digits.yaml", f"workerPoolSpecs: [{{replicaCount: {'9' * 5000}}}]\n", "not valid YAML: "),
+])
+def test_documents_past_the_bounds_are_refused(tmp_path: Path, name: str, text: str,
+                                               message: str) -> None:
+    path = tmp_path / name
+    path.write_text(text)
+    with pytest.raises(JobSpecError) as err:
+        load_job_spec(path)
+    assert str(err.value).startswith(f"job spec {path}: {message}")
+
+
+def test_an_error_quotes_a_bounded_excerpt_of_a_huge_value(tmp_path: Path) -> None:
+    path = _write(tmp_path, _set(_spec(), "workerPoolSpecs.1.replicaCount", "x" * 500_000))
+    with pytest.raises(JobSpecError) as err:
+        load_job_spec(path)
+    assert str(err.value) == (f'job spec {path}: workerPoolSpecs[1].replicaCount: expected an '
+                              f'integer, found "{"x" * 79}…; write e.g. replicaCount: 2')
+    with pytest.raises(JobSpecError) as err:
+        parse_job_spec({"k" * 500_000: 1, **_spec()})
+    assert str(err.value).startswith(f"{'k' * 80}…: unknown field; known fields here: ")
+    assert len(str(err.value)) < 400
+
+
 # --- the CLI ----------------------------------------------------------------------------
 
 
@@ -295,3 +393,12 @@ def test_cli_runs_a_two_pool_spec_end_to_end(tmp_path: Path) -> None:
     assert "rank=0 task=workerpool0:0 greeting=hello" in logs["workerpool0-0"]
     assert "rank=1 task=workerpool1:0 greeting=hello" in logs["workerpool1-0"]
     assert "job spec: the image local/test:1 is not run locally" in proc.stdout
+
+
+def test_a_note_about_an_env_value_masks_a_secret_one() -> None:
+    env = [{"name": "API_TOKEN", "value": "tok-123$(SUFFIX)"}, {"name": "MODE", "value": "$(M)"}]
+    spec = parse_job_spec(_set(_spec(), "workerPoolSpecs.0.containerSpec.env", env))
+    notes = spec.notes_for("env")
+    assert any("API_TOKEN gets *** as written" in n for n in notes)
+    assert any('MODE gets "$(M)" as written' in n for n in notes)
+    assert not any("tok-123" in n for n in notes)

@@ -357,6 +357,33 @@ def test_kill_chaos_restarts_the_worker_with_rising_restart_count(e2e: E2E) -> N
     assert "chaos: kill on workerpool1-0" in out
 
 
+def test_secrets_reach_the_worker_but_no_file_of_the_job(e2e: E2E) -> None:
+    """Tokens on the command line and the job's secret variable: the worker gets them as
+    given; job.json and the report record the command with the values masked."""
+    e2e.monkeypatch.setenv("RESILIENT_TRAIN_JOB_SECRET", "job-secret-" + uuid.uuid4().hex)
+    e2e.monkeypatch.setenv("HF_TOKEN", "hf-" + uuid.uuid4().hex)
+    e2e.primary_waits_for("workerpool0-0.a1.r0.env")
+    args = ["--token=tok-1a2b3c", "--api-key", "key-4d5e6f", "DB_PASSWORD=pw-7a8b9c",
+            "--keep-last", "3"]
+    status, rec, out = e2e.launch(script="dump_env.py", script_args=tuple(args))
+    assert status == 0
+    assert rec["job_spec"]["command"][2:] == ["--token=***", "--api-key", "***",
+                                              "DB_PASSWORD=***", "--keep-last", "3"]
+    assert cli.main(["report", str(e2e.job_dir())]) == 0
+    e2e.capsys.readouterr()
+    page = (e2e.job_dir() / "report.html").read_text()
+    assert "--token=*** --api-key *** DB_PASSWORD=*** --keep-last 3" in page
+    env = env_of(e2e, PRIMARY)
+    secrets = ["tok-1a2b3c", "key-4d5e6f", "pw-7a8b9c", env["HF_TOKEN"],
+               env["RESILIENT_TRAIN_JOB_SECRET"]]   # (the launcher may set its own)
+    for path in e2e.job_dir().rglob("*"):
+        if path.is_file():
+            data = path.read_bytes()
+            leaked = [s for s in secrets if s.encode() in data]
+            assert not leaked, f"{path} holds {leaked}"
+    assert not any(s in out for s in secrets)   # nor the launcher's output
+
+
 # --------------------------------------------------------------------------- outcomes
 
 def test_primary_success_stops_a_hanging_worker(e2e: E2E) -> None:
@@ -673,6 +700,53 @@ def test_sigkilled_launcher_leaves_no_workers(e2e: E2E, setsid: bool) -> None:
     assert "JOB_STATE_RUNNING  (stale: its launcher is no longer running" in out
 
 
+def recorded_pids(job_dir: Path) -> set[int]:
+    """The pids in the launcher's record of its workers' process trees."""
+    try:
+        text = (job_dir / "processes.log").read_text()
+    except FileNotFoundError:
+        return set()
+    return {int(parts[3]) for parts in map(str.split, text.splitlines()) if len(parts) == 5}
+
+
+@pytest.mark.parametrize("double_fork", [False, True], ids=["setsid-child", "double-fork"])
+def test_sigkilled_launcher_kills_a_daemon_with_a_clean_environment(
+        e2e: E2E, double_fork: bool) -> None:
+    """A daemon that left the worker's session and exec'd with an empty environment has
+    nothing a scan by environment could find: the watchdog kills it by the process tree
+    the launcher recorded. Double-forked, its parent exits at once; the worker (a child
+    subreaper, like a container's PID 1) adopts it, so it is still in the tree."""
+    proc, _ = e2e.spawn(script="clean_daemon.py",
+                        script_args=("--double-fork",) if double_fork else ())
+    daemon: psutil.Process | None = None
+    try:
+        mark = e2e.wait_file(f"{PRIMARY}.a1.r0.daemon")
+        daemon = psutil.Process(mark["daemon"])
+        wait_until(lambda: daemon.name() == "sleep", "the daemon to exec sleep")
+        assert daemon.environ() == {}
+        assert os.getsid(daemon.pid) != os.getsid(mark["pid"])   # not the worker's session
+        assert daemon.ppid() == mark["pid"]   # adopted, when double-forked
+        wait_until(lambda: daemon.pid in recorded_pids(e2e.job_dir()),
+                   "the launcher to record the daemon")
+        proc.kill()
+        proc.wait(timeout=WAIT_S)
+        wait_until(lambda: not alive(daemon.pid) or not daemon.is_running(),
+                   "the watchdog to kill the daemon", ORPHAN_WAIT_S)
+    finally:
+        proc.kill()
+        proc.wait()
+        if daemon is not None and daemon.is_running():
+            daemon.kill()
+
+
+def test_the_job_directory_records_every_worker_process(e2e: E2E) -> None:
+    e2e.primary_waits_for("workerpool1-0.a1.r0.parent")
+    status, rec, _ = e2e.launch("--workers", "2", script="grandchild_ignores_term.py")
+    assert (status, rec["state"]) == (0, "JOB_STATE_SUCCEEDED")
+    worker = e2e.read("workerpool1-0.a1.r0.parent")
+    assert {worker["pid"], worker["child"]} <= recorded_pids(e2e.job_dir())
+
+
 # --------------------------------------------------------------------------- quota
 
 def test_a_job_waits_in_queued_while_another_holds_the_gpus(e2e: E2E) -> None:
@@ -744,7 +818,14 @@ def _bad(e2e: E2E, tmp: Path, case: str) -> tuple[list[str], str]:
         return ["--workers", "2", "--chaos", "kill:7@1s", "--job-dir", job], "rank 7"
     if case == "job-dir-under-file":
         (tmp / "plain-file").write_text("")
-        return ["--job-dir", str(tmp / "plain-file" / "job")], "cannot write the job directory"
+        return (["--job-dir", str(tmp / "plain-file" / "job")],
+                (f"--job-dir {tmp}/plain-file/job: its parent {tmp}/plain-file is a file, not "
+                 f"a directory; pass the path of a directory (it is created if missing)"))
+    if case == "job-dir-is-a-file":
+        (tmp / "plain-file").write_text("")
+        return (["--job-dir", str(tmp / "plain-file")],
+                (f"--job-dir {tmp}/plain-file is a file, not a directory; pass the path of a "
+                 f"directory (it is created if missing)"))
     if case == "job-dir-taken":
         (tmp / "taken").mkdir()
         (tmp / "taken" / "job.json").write_text("{}")
@@ -781,7 +862,8 @@ def _bad(e2e: E2E, tmp: Path, case: str) -> tuple[list[str], str]:
 
 
 @pytest.mark.parametrize("case", [
-    "chaos-kind", "chaos-target", "chaos-rank", "job-dir-under-file", "job-dir-taken",
+    "chaos-kind", "chaos-target", "chaos-rank", "job-dir-under-file", "job-dir-is-a-file",
+    "job-dir-taken",
     "policy-action", "policy-missing", "workers-0", "pool-without-primary", "workers-and-pool",
     "quota-dir-under-file", "negative-gpus", "memory-0", "max-wait-standard",
     "name-with-slash"])

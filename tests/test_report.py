@@ -224,6 +224,20 @@ def test_render_is_pure_and_a_missing_record_is_a_clear_error(
         write_report(tmp_path / "bad")
 
 
+def test_the_report_masks_secrets_of_a_recorded_command(tmp_path: Path) -> None:
+    """A record written before the launcher masked commands still gets a masked page."""
+    job_dir = tmp_path / "job"
+    _hand_made_job(job_dir, goodput=False, telemetry=False)
+    record = json.loads((job_dir / "job.json").read_text(encoding="utf-8"))
+    record["job_spec"] = {"command": ["env", "HF_TOKEN=hf-123", "python", "t.py",
+                                      "--token=tok-456", "--password", "pw-789", "--lr", "1"]}
+    (job_dir / "job.json").write_text(json.dumps(record), encoding="utf-8")
+    page = _page(write_report(job_dir))
+    assert ("<code>env HF_TOKEN=*** python t.py --token=*** --password *** --lr 1</code>"
+            in page)
+    assert not any(secret in page for secret in ("hf-123", "tok-456", "pw-789"))
+
+
 # A torch-free worker: trains STEPS steps of STEP_S, the primary saves every 10 steps, and
 # every (re)start resumes from the last save, reporting through the launcher's telemetry.
 _WORKER = """

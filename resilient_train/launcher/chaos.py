@@ -6,9 +6,19 @@ reproducible regardless of how long the job spent queued.
 
 Grammar (comma-separated items)::
 
-    KIND[:TARGET]@TIME[/GRACE]          one fault at a fixed time
-    KIND[:TARGET]@stepN[/GRACE]         one fault once the primary has finished step N
-    KIND[:TARGET]~MEAN[xCOUNT][/GRACE]  seeded random faults, exponential inter-arrival times
+    KIND[:TARGET]@TIME[SUFFIXES]          one fault at a fixed time
+    KIND[:TARGET]@stepN[SUFFIXES]         one fault once the primary has finished step N
+    KIND[:TARGET]~MEAN[xCOUNT][SUFFIXES]  seeded random faults, exponential inter-arrival times
+
+    SUFFIXES, in this order, each optional:
+    +DURATION   hang, slow: how long the fault lasts (without it: the rest of that life)
+    *SPEED      slow: the fraction of its pace the replica keeps (0.25 or 25%; default 50%)
+    /GRACE      maintenance, preempt: SIGTERM to SIGKILL
+
+``hang`` stops the replica's whole process tree (SIGSTOP): alive and stuck, as in a hung
+collective or a wedged GPU. ``slow`` makes it a straggler: SIGSTOP / SIGCONT in
+``SLOW_PERIOD_S`` periods, running SPEED of each. The launcher owns those signals
+(runner.py); this module only says when and for how long.
 
 Step-triggered faults read the primary's training progress (``@rt.main`` reports it to the
 launcher), so they land at the same point of training however fast the machine is: the way
@@ -51,10 +61,18 @@ __all__ = [
 # Random faults without a count stop here, so a forgotten xCOUNT cannot loop forever.
 RANDOM_FAULT_CAP = 10_000
 
+# A slowed replica runs SPEED of every period of this length and is stopped for the rest:
+# short enough that a step of a few hundred milliseconds sees the average, long enough
+# that the launcher's signals cost nothing.
+SLOW_PERIOD_S = 0.1
+DEFAULT_SLOW_SPEED = 0.5
+
 _EXAMPLE = "kill:workerpool1-0@20s"
 _GRAMMAR = (
-    f"write KIND[:REPLICA]@TIME[/GRACE], KIND[:REPLICA]@stepN[/GRACE] or "
-    f"KIND[:REPLICA]~MEAN[xCOUNT], e.g. {_EXAMPLE}, kill:1@step120 or kill~30sx5"
+    f"write KIND[:REPLICA]@TIME, KIND[:REPLICA]@stepN or KIND[:REPLICA]~MEAN[xCOUNT], "
+    f"then optionally +DURATION (hang, slow), *SPEED (slow), /GRACE (maintenance, preempt) "
+    f"in that order, e.g. {_EXAMPLE}, kill:1@step120, kill~30sx5, hang:1@step40+30s "
+    f"or slow:1@20s+60s*0.25"
 )
 
 
@@ -69,6 +87,8 @@ class FaultKind(str, Enum):
     OOM = "oom"  # the launcher kills the worker as out of memory
     STOCKOUT = "stockout"  # the job's resources vanish: whole-job retry
     INTERNAL = "internal"  # the launcher's own failure for this attempt
+    HANG = "hang"  # SIGSTOP the replica's process tree: alive, stuck (for good or +DURATION)
+    SLOW = "slow"  # a straggler: stopped and continued so that it runs at SPEED of its pace
 
     @property
     def targets_replica(self) -> bool:
@@ -84,9 +104,15 @@ class FaultKind(str, Enum):
         """True when the fault sends SIGTERM first, so a grace period applies."""
         return self in (FaultKind.MAINTENANCE, FaultKind.PREEMPT)
 
+    @property
+    def stalls(self) -> bool:
+        """True when the replica stays alive, stopped or slowed (a duration applies)."""
+        return self in (FaultKind.HANG, FaultKind.SLOW)
+
 
 _REPLICA_KINDS = frozenset(
-    {FaultKind.KILL, FaultKind.MAINTENANCE, FaultKind.PREEMPT, FaultKind.OOM}
+    {FaultKind.KILL, FaultKind.MAINTENANCE, FaultKind.PREEMPT, FaultKind.OOM,
+     FaultKind.HANG, FaultKind.SLOW}
 )
 _VALID_KINDS = ", ".join(k.value for k in FaultKind)
 
@@ -98,6 +124,8 @@ class Fault:
     target: str | None = None  # replica name or rank as written; None = seeded choice
     grace: float | None = None  # None = launcher default
     at_step: int | None = None  # once the primary has finished this step
+    duration: float | None = None  # hang, slow: None = for the rest of the replica's life
+    speed: float | None = None  # slow only: the fraction of its pace it keeps
 
 
 @dataclass(frozen=True)
@@ -107,6 +135,8 @@ class RandomFault:
     target: str | None = None
     max_count: int | None = None  # None = up to RANDOM_FAULT_CAP
     grace: float | None = None
+    duration: float | None = None
+    speed: float | None = None
 
 
 @dataclass(frozen=True)
@@ -126,6 +156,8 @@ class ScheduledFault:
     target: str | None  # a replica name; None only for job-wide kinds
     grace: float | None = None
     at_step: int | None = None
+    duration: float | None = None
+    speed: float | None = None
 
 
 # ---------------------------------------------------------------------------- parsing
@@ -201,6 +233,41 @@ def _grace(kind: FaultKind, grace: Any, where: str) -> float | None:
     return _duration(grace, "grace", where)
 
 
+def _stall_duration(kind: FaultKind, duration: Any, where: str) -> float | None:
+    if duration is None:
+        return None
+    if not kind.stalls:
+        raise ChaosSpecError(
+            f"a duration applies only to hang and slow, found one on {kind.value} in {where}; "
+            f"drop the +DURATION part")
+    return _duration(duration, "duration", where, positive=True)
+
+
+def _speed(kind: FaultKind, speed: Any, where: str) -> float | None:
+    if kind is not FaultKind.SLOW:
+        if speed is None:
+            return None
+        raise ChaosSpecError(
+            f"a speed applies only to slow, found one on {kind.value} in {where}; "
+            f"drop the *SPEED part")
+    if speed is None:
+        return DEFAULT_SLOW_SPEED
+    value: float | None = None
+    if isinstance(speed, (int, float)) and not isinstance(speed, bool):
+        value = float(speed)
+    elif isinstance(speed, str):
+        text = speed.strip()
+        try:
+            value = float(text[:-1]) / 100 if text.endswith("%") else float(text)
+        except ValueError:
+            value = None
+    if value is None or not 0 < value < 1:
+        raise ChaosSpecError(
+            f"speed in {where} must be a fraction between 0 and 1 (exclusive) like 0.25 or "
+            f"25%, found {speed!r}; a replica that does not run at all is a hang")
+    return value
+
+
 def _count(count: Any, where: str) -> int | None:
     if count is None:
         return None
@@ -219,19 +286,37 @@ def _parse_item(item: str, where: str) -> Fault | RandomFault:
     kind_text, _, target_text = head.partition(":")
     kind = _kind(kind_text, where)
     target = _target(kind, target_text.strip() if ":" in head else None, where)
-    when, slash, grace_text = tail.partition("/")
-    grace = _grace(kind, grace_text.strip() if slash else None, where)
+    parts = _TAIL_RE.match(tail)
+    if parts is None:
+        raise ChaosSpecError(
+            f"the parts after {item[sep]} in {where} are out of order: write "
+            f"{item[sep]}WHEN+DURATION*SPEED/GRACE (each part optional); {_GRAMMAR}")
+    when = parts.group("when")
+    grace = _grace(kind, _part(parts, "grace"), where)
+    duration = _stall_duration(kind, _part(parts, "duration"), where)
+    speed = _speed(kind, _part(parts, "speed"), where)
     if not random_fault:
         step = re.fullmatch(r"\s*step\s*(\d+)\s*", when, re.IGNORECASE)
         if step:
-            return Fault(kind, math.inf, target, grace, at_step=int(step.group(1)))
-        return Fault(kind, _duration(when, "time", where), target, grace)
+            return Fault(kind, math.inf, target, grace, int(step.group(1)), duration, speed)
+        return Fault(kind, _duration(when, "time", where), target, grace, None, duration, speed)
     match = re.match(r"^(.+?)(?:x(\d+))?$", when.strip())
     if not match:
         raise ChaosSpecError(f"missing mean interval after ~ in {where}; {_GRAMMAR}")
     mean = _duration(match.group(1), "mean interval", where, positive=True)
     count = _count(int(match.group(2)), where) if match.group(2) else None
-    return RandomFault(kind, mean, target, count, grace)
+    return RandomFault(kind, mean, target, count, grace, duration, speed)
+
+
+# WHEN, then +DURATION, *SPEED, /GRACE in this order; none of them holds + * or /.
+_TAIL_RE = re.compile(
+    r"^(?P<when>[^+*/]*)(?:\+(?P<duration>[^+*/]*))?(?:\*(?P<speed>[^+*/]*))?"
+    r"(?:/(?P<grace>[^+*/]*))?$")
+
+
+def _part(match: re.Match[str], name: str) -> str | None:
+    value = match.group(name)
+    return None if value is None else value.strip()
 
 
 def _build(items: list[Fault | RandomFault], seed: int) -> ChaosSpec:
@@ -258,8 +343,8 @@ def parse_chaos(text: str, *, seed: int = 0) -> ChaosSpec:
     return _build(items, seed)
 
 
-_FAULT_KEYS = {"kind", "at", "at_step", "target", "grace"}
-_RANDOM_KEYS = {"kind", "mean", "count", "target", "grace"}
+_FAULT_KEYS = {"kind", "at", "at_step", "target", "grace", "duration", "speed"}
+_RANDOM_KEYS = {"kind", "mean", "count", "target", "grace", "duration", "speed"}
 _TOP_KEYS = {"seed", "faults", "random"}
 
 
@@ -306,7 +391,9 @@ def _from_json(data: Any, seed: int, source: str) -> ChaosSpec:
                         math.inf if at_step is not None else _duration(entry["at"], "time", where),
                         _target(kind, entry.get("target"), where),
                         _grace(kind, entry.get("grace"), where),
-                        at_step=at_step,
+                        at_step,
+                        _stall_duration(kind, entry.get("duration"), where),
+                        _speed(kind, entry.get("speed"), where),
                     )
                 )
             else:
@@ -319,6 +406,8 @@ def _from_json(data: Any, seed: int, source: str) -> ChaosSpec:
                         _target(kind, entry.get("target"), where),
                         _count(entry.get("count"), where),
                         _grace(kind, entry.get("grace"), where),
+                        _stall_duration(kind, entry.get("duration"), where),
+                        _speed(kind, entry.get("speed"), where),
                     )
                 )
     return _build(items, file_seed)
@@ -387,7 +476,7 @@ class ChaosSchedule:
         for index, fault in enumerate(spec.faults):
             scheduled = ScheduledFault(
                 fault.kind, fault.at, self._resolve(fault.kind, fault.target, rng), fault.grace,
-                fault.at_step,
+                fault.at_step, fault.duration, fault.speed,
             )
             if fault.at_step is not None:
                 self._by_step.append(scheduled)
@@ -434,7 +523,8 @@ class ChaosSchedule:
         for _ in range(limit):
             at += rng.expovariate(1.0 / rfault.mean_interval)
             target = self._resolve(rfault.kind, rfault.target, rng)
-            yield ScheduledFault(rfault.kind, at, target, rfault.grace)
+            yield ScheduledFault(rfault.kind, at, target, rfault.grace, None, rfault.duration,
+                                 rfault.speed)
 
     def _push_next(self, stream: int) -> None:
         nxt = next(self._streams[stream], None)

@@ -19,6 +19,7 @@ from __future__ import annotations
 import difflib
 import json
 import re
+import reprlib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -26,11 +27,21 @@ from types import MappingProxyType
 from typing import Any
 
 from .policy import Strategy
+from .record import SECRET_MASK, is_secret_name
 from .resources import MACHINE_TYPES, memory_limit_for
 
 __all__ = ["JobSpec", "JobSpecError", "load_job_spec", "parse_job_spec"]
 
 MAX_POOLS = 4  # workerpool0 primary, 1 workers, 2 parameter/reduction servers, 3 evaluators
+# Bounds on what a spec may cost to read. A real one is a few KiB and about ten levels deep.
+# YAML aliases (&name / *name) are allowed (a pool's containerSpec shared with the next, say),
+# but each one counts as a copy of what it names: a "billion laughs" document of a few
+# hundred bytes, nine aliases of nine aliases of ..., is refused before anything walks it.
+MAX_SPEC_BYTES = 1 << 20
+MAX_SPEC_EXPANDED = 4 * MAX_SPEC_BYTES   # nodes + scalar characters, aliases expanded
+MAX_SPEC_DEPTH = 64
+_QUOTE_CHARS = 80        # of a value that an error message quotes
+_MESSAGE_CHARS = 2000    # of a whole message, whatever it quotes
 
 # --- the schema (Vertex AI v1 REST names) ----------------------------------------------
 # Per message: the fields the launcher uses, and those it accepts but cannot reproduce on
@@ -108,36 +119,137 @@ class JobSpec:
 
 
 def load_job_spec(path: str | Path) -> JobSpec:
-    """Read ``path`` (YAML, or JSON when it ends in .json) and parse it."""
+    """Read ``path`` (YAML, or JSON when it ends in .json) and parse it.
+
+    At most MAX_SPEC_BYTES are read; a YAML document whose aliases would expand it past
+    MAX_SPEC_EXPANDED, or that nests deeper than MAX_SPEC_DEPTH, is refused unparsed."""
     path = Path(path)
     try:
-        text = path.read_text(encoding="utf-8")
+        with open(path, "rb") as f:
+            raw = f.read(MAX_SPEC_BYTES + 1)   # (a device or a FIFO has no size to check)
+        text = raw.decode("utf-8")
     except (OSError, UnicodeDecodeError) as exc:
         reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else exc
         raise JobSpecError(f"job spec {path}: cannot read it: {reason}") from None
-    if path.suffix.lower() == ".json":
-        try:
-            data = json.loads(text)
-        except json.JSONDecodeError as exc:
-            raise JobSpecError(
-                f"job spec {path}: not valid JSON: {exc.msg} at line {exc.lineno} "
-                f"column {exc.colno}") from None
-    else:
-        import yaml  # only when a YAML spec is read
-
-        try:
-            data = yaml.safe_load(text)
-        except yaml.YAMLError as exc:
-            where = ""
-            mark = getattr(exc, "problem_mark", None)
-            if mark is not None:
-                where = f" at line {mark.line + 1} column {mark.column + 1}"
-            problem = getattr(exc, "problem", None) or str(exc)
-            raise JobSpecError(f"job spec {path}: not valid YAML: {problem}{where}") from None
+    if len(raw) > MAX_SPEC_BYTES:
+        raise JobSpecError(
+            f"job spec {path}: larger than {MAX_SPEC_BYTES >> 20} MiB; a CustomJob spec is a "
+            f"few KiB (pools, commands, env): is it the right file?")
     try:
+        data = _load_json(text) if path.suffix.lower() == ".json" else _load_yaml(text)
         return parse_job_spec(data)
     except JobSpecError as exc:
-        raise JobSpecError(f"job spec {path}: {exc}") from None
+        raise JobSpecError(_bounded(f"job spec {path}: {exc}")) from None
+
+
+def _load_json(text: str) -> Any:
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise JobSpecError(
+            f"not valid JSON: {exc.msg} at line {exc.lineno} column {exc.colno}") from None
+    except RecursionError:
+        raise JobSpecError(f"nested more than {MAX_SPEC_DEPTH} levels deep; a CustomJob "
+                           f"spec needs about ten") from None
+    except ValueError as exc:   # e.g. an integer longer than Python converts
+        raise JobSpecError(f"not valid JSON: {_clip(str(exc))}") from None
+    todo: list[tuple[Any, int]] = [(data, 1)]   # (JSON has no aliases: its size is its own)
+    while todo:
+        value, depth = todo.pop()
+        if depth > MAX_SPEC_DEPTH:
+            raise JobSpecError(f"nested more than {MAX_SPEC_DEPTH} levels deep; a CustomJob "
+                               f"spec needs about ten")
+        if isinstance(value, dict):
+            value = list(value.values())
+        if isinstance(value, list):
+            todo.extend((item, depth + 1) for item in value)
+    return data
+
+
+def _load_yaml(text: str) -> Any:
+    import yaml  # only when a YAML spec is read
+
+    try:
+        return yaml.load(text, Loader=_bounded_loader())   # (a SafeLoader)
+    except yaml.YAMLError as exc:
+        where = ""
+        mark = getattr(exc, "problem_mark", None)
+        if mark is not None:
+            where = f" at line {mark.line + 1} column {mark.column + 1}"
+        problem = getattr(exc, "problem", None) or str(exc)
+        raise JobSpecError(f"not valid YAML: {_clip(problem)}{where}") from None
+    except JobSpecError:   # (a ValueError too) a bound of _bounded_loader's
+        raise
+    except ValueError as exc:   # e.g. an integer longer than Python converts
+        raise JobSpecError(f"not valid YAML: {_clip(str(exc))}") from None
+
+
+_LOADER: Any = None
+
+
+def _bounded_loader() -> Any:
+    """yaml.SafeLoader that refuses a document nesting deeper than MAX_SPEC_DEPTH, or
+    one whose aliases expand it past MAX_SPEC_EXPANDED (checked on the composed node
+    graph, each shared node sized once: the check itself never expands anything)."""
+    global _LOADER
+    if _LOADER is not None:
+        return _LOADER
+    import yaml
+
+    class BoundedLoader(yaml.SafeLoader):
+        depth = 0
+
+        def compose_node(self, parent: Any, index: Any) -> Any:
+            self.depth += 1
+            try:
+                if self.depth > MAX_SPEC_DEPTH:
+                    mark = self.peek_event().start_mark
+                    raise JobSpecError(
+                        f"nested more than {MAX_SPEC_DEPTH} levels deep at line "
+                        f"{mark.line + 1}; a CustomJob spec needs about ten")
+                return super().compose_node(parent, index)
+            finally:
+                self.depth -= 1
+
+        def compose_document(self) -> Any:
+            node = super().compose_document()
+            _expanded_size(node, yaml, {}, set(), 0)
+            return node
+
+    _LOADER = BoundedLoader
+    return _LOADER
+
+
+def _expanded_size(node: Any, yaml: Any, sizes: dict[int, int], open_: set[int],
+                   depth: int) -> int:
+    """Nodes plus scalar characters below ``node``, an alias counting what it names."""
+    key = id(node)
+    if key in sizes:
+        return sizes[key]
+    if key in open_:
+        raise JobSpecError(f"an alias at line {node.start_mark.line + 1} refers to a node that "
+                           f"contains it; a job spec cannot be recursive")
+    if depth > MAX_SPEC_DEPTH:
+        raise JobSpecError(f"nested more than {MAX_SPEC_DEPTH} levels deep once its aliases "
+                           f"are expanded (at line {node.start_mark.line + 1})")
+    if isinstance(node, yaml.ScalarNode):
+        size = 1 + len(node.value)
+    else:
+        open_.add(key)
+        children = node.value if isinstance(node, yaml.SequenceNode) else [
+            part for pair in node.value for part in pair]
+        size = 1
+        for child in children:
+            size += _expanded_size(child, yaml, sizes, open_, depth + 1)
+            if size > MAX_SPEC_EXPANDED:
+                raise JobSpecError(
+                    f"its aliases (*name) expand it to more than {MAX_SPEC_EXPANDED} nodes "
+                    f"and characters (from line {node.start_mark.line + 1}): a YAML alias "
+                    f"bomb? A CustomJob spec is a few KiB; write out the repeated parts, "
+                    f"or alias fewer")
+        open_.discard(key)
+    sizes[key] = size
+    return size
 
 
 # --- parsing ----------------------------------------------------------------------------
@@ -236,7 +348,7 @@ class _Parser:
             gpus_per_worker=primary.accelerator_count,
             accelerator_type=primary.accelerator_type,
             display_name=display_name,
-            notes=tuple(self.notes),
+            notes=tuple((topic, _bounded(text)) for topic, text in self.notes),
             **out,
         )
 
@@ -357,7 +469,8 @@ class _Parser:
             if "$(" in value:
                 self.notes.append(("env", (
                     f"{ipath}.value: $(VAR) references are expanded by the platform, not by "
-                    f"the launcher: {name} gets {_show(value)} as written")))
+                    f"the launcher: {name} gets "
+                    f"{SECRET_MASK if is_secret_name(name) else _show(value)} as written")))
             env[name] = value
         return env
 
@@ -456,7 +569,8 @@ class _Parser:
             raise JobSpecError(f"{path or 'the top'}: expected a mapping, found {_kind(raw)}")
         known = used | ignored
         for key in raw:
-            kpath = f"{path}.{key}" if path else str(key)
+            shown = _clip(str(key))
+            kpath = f"{path}.{shown}" if path else shown
             if not isinstance(key, str):
                 raise JobSpecError(f"{kpath}: field names are strings, found {_show(key)}")
             if key in known:
@@ -479,20 +593,21 @@ class _Parser:
             return value
         if isinstance(value, str):
             raise JobSpecError(f"{path}: must not be empty")
-        fix = f'; quote it: "{value}"' if isinstance(value, (int, float)) else ""
+        fix = f'; quote it: "{_clip(str(value))}"' if isinstance(value, (int, float)) else ""
         raise JobSpecError(f"{path}: expected a string, found {_show(value)}{fix}")
 
     def strings(self, value: Any, path: str) -> tuple[str, ...]:
         if not isinstance(value, list):
             example = ""
             if isinstance(value, str):
-                example = f"; write one item per argument, e.g. [{', '.join(value.split())}]"
+                example = (f"; write one item per argument, e.g. "
+                           f"[{_clip(', '.join(value[:4 * _QUOTE_CHARS].split()))}]")
             raise JobSpecError(f"{path}: expected a list of strings, found {_kind(value)}"
                                f"{example}")
         out = []
         for i, item in enumerate(value):
             if not isinstance(item, str):
-                fix = (f'; quote it: "{item}"' if isinstance(item, (int, float))
+                fix = (f'; quote it: "{_clip(str(item))}"' if isinstance(item, (int, float))
                        and not isinstance(item, bool) else "")
                 raise JobSpecError(f"{path}[{i}]: expected a string, found {_show(item)}{fix}")
             out.append(item)
@@ -509,6 +624,8 @@ class _Parser:
 
 
 def _suggest(key: str, known: set[str]) -> str:
+    if len(key) > _QUOTE_CHARS:   # no field name is that long: nothing to compare
+        return f"known fields here: {', '.join(sorted(known))}"
     if "_" in key:
         camel = re.sub(r"_([a-z0-9])", lambda m: m.group(1).upper(), key)
         if camel in known:
@@ -527,7 +644,30 @@ def _kind(value: Any) -> str:
 
 
 def _show(value: Any) -> str:
+    """``value`` as the spec would write it (JSON), cut to _QUOTE_CHARS characters. Encoded
+    piece by piece and stopped there: a list of a million items is not written out first."""
+    pieces: list[str] = []
+    size = 0
     try:
-        return json.dumps(value, ensure_ascii=False)
-    except (TypeError, ValueError):
-        return repr(value)
+        for piece in json.JSONEncoder(ensure_ascii=False).iterencode(value):
+            pieces.append(piece)
+            size += len(piece)
+            if size > _QUOTE_CHARS:
+                break
+    except (TypeError, ValueError):   # not JSON (a YAML date), or recursive (an API caller's)
+        return _clip(reprlib.repr(value))
+    return _clip("".join(pieces))
+
+
+def _clip(text: str, limit: int = _QUOTE_CHARS) -> str:
+    return text if len(text) <= limit else text[:limit] + "…"
+
+
+def _bounded(message: str) -> str:
+    """A message at most _MESSAGE_CHARS long, keeping its start (where) and its end (the
+    fix); each value it quotes is already cut, so this is the last resort."""
+    if len(message) <= _MESSAGE_CHARS:
+        return message
+    keep = _MESSAGE_CHARS // 2
+    left_out = len(message) - 2 * keep
+    return f"{message[:keep]} … ({left_out} characters left out) … {message[-keep:]}"

@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import tempfile
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
 JOB_FILE = "job.json"
+SECRET_MASK = "***"
 
 
 def write_json_atomic(path: Path, data: Any) -> None:
@@ -65,3 +68,59 @@ def telemetry_prefixes(job_dir: Path, replica: str) -> list[Path]:
     found = {p.with_suffix("") for p in (job_dir / "telemetry").glob(f"attempt-*/{replica}.restart-*.*")
              if p.suffix in (".progress", ".jsonl")}
     return sorted(found)
+
+
+def processes_path(job_dir: Path) -> Path:
+    """The worker processes the launcher has seen, one line each (watchdog.py reads it)."""
+    return job_dir / "processes.log"
+
+
+# --- secrets in what is recorded ---------------------------------------------------------
+#
+# A name is secret when one of its words is, or ends in, token, key, secret, password or
+# passwd. Words: split at every non-alphanumeric and at camelCase, so API_KEY, api-key,
+# apiKey, HFToken and AWS_SECRET_ACCESS_KEY are secret; keep_last, tokenizer, max_tokens,
+# keyword are not. A compound ending in a secret word is secret too (apikey, authtoken),
+# and so monkey is: masking too much costs only a less readable record.
+_SECRET_WORDS = ("token", "key", "secret", "password", "passwd")
+_WORD = re.compile(r"[A-Z]+(?![a-z])|[A-Z]?[a-z]+|[0-9]+")
+_OPTION = re.compile(r"(-{1,2})([A-Za-z0-9][\w.-]*)(=.*)?", re.DOTALL)    # --name[=value]
+_ASSIGNMENT = re.compile(r"([+~]*[A-Za-z_][\w.-]*)=.*", re.DOTALL)        # NAME=value
+
+
+def is_secret_name(name: str) -> bool:
+    """Whether a variable or option called ``name`` holds a secret (see the rule above)."""
+    return any(word.lower().endswith(_SECRET_WORDS) for word in _WORD.findall(name))
+
+
+def mask_command(argv: Iterable[str]) -> list[str]:
+    """``argv`` with the values of secret options and assignments replaced by ``***``:
+    ``--token=V``, ``--api-key V``, ``-password V``, ``API_KEY=V`` (``env API_KEY=V cmd``,
+    Hydra's ``db.password=V``). After a secret option without ``=``, the next argument
+    is its value unless it is another long option (``--...``).
+
+    The one function for every place that records or shows a job's command (job.json,
+    the report); applying it twice changes nothing."""
+    out: list[str] = []
+    value_next = False
+    for arg in map(str, argv):
+        if value_next:
+            value_next = False
+            if not arg.startswith("--"):
+                out.append(SECRET_MASK)
+                continue
+        option = _OPTION.fullmatch(arg)
+        if option is not None and is_secret_name(option.group(2)):
+            if option.group(3) is None:
+                value_next = True
+                out.append(arg)
+            else:
+                out.append(f"{option.group(1)}{option.group(2)}={SECRET_MASK}")
+            continue
+        assignment = _ASSIGNMENT.fullmatch(arg) if option is None else None
+        if assignment is not None and is_secret_name(assignment.group(1)):
+            out.append(f"{assignment.group(1)}={SECRET_MASK}")
+            continue
+        out.append(arg)
+    return out
+

@@ -48,12 +48,16 @@ from .record import (
     JOB_FILE,
     failures_path,
     log_path,
+    mask_command,
+    processes_path,
     report_path,
     telemetry_prefix,
     telemetry_prefixes,
     write_json_atomic,
 )
 from .resources import detect_gpus, kernel_oom_kills, process_tree, tree_pss, tree_rss
+from .stall import Stall, StallStep, signal_tree
+from .watchdog import descendants, start_ticks
 from .workerenv import LAUNCH_ID_ENV, JobEnv, Replica, replicas_for, worker_env
 
 log = logging.getLogger(__name__)
@@ -75,6 +79,11 @@ _TREE_REFRESH_S = 1.0
 # SIGABRT / SIGSEGV are crashes (rule 4), other signals the program's own fault (rule 8).
 _OUTSIDE_SIGNALS = frozenset({signal.SIGKILL, signal.SIGTERM, signal.SIGHUP, signal.SIGINT})
 _PSS_REFRESH_S = 1.0
+# How often each worker's process tree is recorded for the watchdog (and the loop wakes
+# while workers run): a descendant that clears its environment and leaves the worker's
+# session escapes a SIGKILLed launcher only if it was born less than this before.
+_SNAPSHOT_S = 0.5
+_PROC = sys.platform.startswith("linux") and os.path.isdir("/proc")
 
 
 class LaunchError(Exception):
@@ -120,6 +129,10 @@ class _Worker:
         self.cause: Cause | None = None      # set when the launcher itself ended it
         self.kill_at: float | None = None    # SIGKILL deadline after a SIGTERM
         self.tree: list[psutil.Process] = []
+        self.seen: dict[int, int] = {}        # pid -> start ticks, of the worker and tree
+        self.unreported: list[tuple[int, int]] = []   # seen, not yet told to the watchdog
+        self.snapshot_at = float("-inf")      # time.monotonic() of the last snapshot
+        self.start_ticks = start_ticks(popen.pid) if _PROC else None
         self.tail: collections.deque[str] = collections.deque(maxlen=40)
         self.mem_tree: list[psutil.Process] = []   # whose memory counts; refreshed now and then
         self.mem_tree_at = float("-inf")
@@ -169,10 +182,48 @@ class _Worker:
 
     def snapshot_tree(self) -> None:
         """Remember the worker's descendants (kept: once the worker is gone they are not
-        its children any more, and a daemon that left the group is found only this way)."""
-        for proc in process_tree(self.popen.pid)[1:]:
-            if proc not in self.tree:   # psutil compares pid and create time
+        its children any more, and a daemon that left the group is found only this way).
+
+        On Linux each new one (and the worker) is queued in ``unreported`` with its start
+        time, for the watchdog. The walk reads /proc/PID/task/*/children of the tree's
+        processes only: its cost does not grow with the machine's other processes."""
+        self.snapshot_at = time.monotonic()
+        if not _PROC:
+            for proc in process_tree(self.popen.pid)[1:]:
+                if proc not in self.tree:   # psutil compares pid and create time
+                    self.tree.append(proc)
+            return
+        root = self.popen.pid
+        # Once the worker is reaped its pid may be another process's: walk it only while
+        # it is still the worker (a zombie's children have already been moved away).
+        found = [root, *descendants([root])] if start_ticks(root) == self.start_ticks else []
+        current = set(found)
+        for pid in found:
+            if pid in self.seen:
+                # The same process, unless the pid space wrapped around within this tree
+                # since the last snapshot: at worst a missed record, never a wrong kill
+                # (the recorded start time differs). Saves a read per process per snapshot.
+                continue
+            ticks = start_ticks(pid)
+            if ticks is None:
+                continue
+            if pid != root:
+                try:
+                    proc = psutil.Process(pid)
+                except psutil.Error:
+                    continue
+                self.tree = [p for p in self.tree if p.pid != pid]   # an older, dead owner
                 self.tree.append(proc)
+            self.seen[pid] = ticks
+            self.unreported.append((pid, ticks))
+        # Forget the dead (a long life forks many short-lived helpers); keep those that
+        # only left the tree: a daemon whose parent exited is still this life's.
+        gone = {pid for pid, ticks in self.seen.items()
+                if pid not in current and start_ticks(pid) != ticks}
+        if gone:
+            self.tree = [p for p in self.tree if p.pid not in gone]
+            for pid in gone:
+                del self.seen[pid]
 
     def finish(self, sweep: Callable[[_Worker], None] | None = None) -> str | None:
         """After exit: kill leftovers, drain the log, return a traceback excerpt if any."""
@@ -204,28 +255,43 @@ def _load_prctl() -> Any:
 
 _PRCTL = _load_prctl()   # resolved here: between fork and exec the child only calls it
 _PR_SET_PDEATHSIG = 1
+_PR_SET_CHILD_SUBREAPER = 36
 
 
 def _pdeathsig_preexec(launcher_pid: int) -> Callable[[], None]:
     def preexec() -> None:
-        """In the child: die with the launcher, even if it is SIGKILLed (Linux)."""
+        """In the child: die with the launcher, even if it is SIGKILLed (Linux).
+
+        And adopt its orphaned descendants, as a container's PID 1 does on the platform:
+        a daemon whose parent exits at once (a double fork) stays in the worker's process
+        tree, where the launcher's snapshots find it, instead of moving under init.
+        Both settings survive the exec."""
         _PRCTL(_PR_SET_PDEATHSIG, signal.SIGKILL)
+        _PRCTL(_PR_SET_CHILD_SUBREAPER, 1)
         if os.getppid() != launcher_pid:   # the launcher died before prctl took effect
             os.kill(os.getpid(), signal.SIGKILL)
     return preexec
 
 
 class _Watchdog:
-    """The launcher's side of ``watchdog.py``: one line per finished worker life."""
+    """The launcher's side of ``watchdog.py``: the processes each worker life's snapshots
+    found, appended to ``processes.log`` in the job directory (where the watchdog reads
+    them, and a person can), and one line on the watchdog's stdin per finished life."""
 
-    def __init__(self, launch_id: str) -> None:
+    def __init__(self, launch_id: str, processes: Path) -> None:
         self.proc: subprocess.Popen[bytes] | None = None
-        if not sys.platform.startswith("linux") or not os.path.isdir("/proc"):
+        self._log_fd: int | None = None
+        if not _PROC:
             return
         try:
+            # One write per snapshot that found something: the line is in the file (the
+            # page cache) before the launcher can be killed; no fsync, a machine crash
+            # takes the processes with it.
+            self._log_fd = os.open(processes, os.O_WRONLY | os.O_CREAT | os.O_TRUNC
+                                   | os.O_APPEND | os.O_CLOEXEC, 0o644)
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "resilient_train.launcher.watchdog",
-                 f"{LAUNCH_ID_ENV}={launch_id}"],
+                 f"{LAUNCH_ID_ENV}={launch_id}", str(processes)],
                 stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                 # Its own environment must not carry the launch id it sweeps for.
                 env={"PYTHONPATH": os.pathsep.join(p for p in sys.path if p)},
@@ -233,19 +299,37 @@ class _Watchdog:
         except OSError as exc:
             log.warning("no watchdog (%s): if the launcher is killed, workers' children may "
                         "survive it", exc)
+            self._close_log()
+
+    def record(self, w: _Worker) -> None:
+        """Append what the worker's snapshots found since the last call (``w.unreported``)."""
+        procs, w.unreported = w.unreported, []
+        if procs and self._log_fd is not None:
+            text = "".join(f"{w.replica.name} {w.attempt} {w.restart} {pid} {ticks}\n"
+                           for pid, ticks in procs)
+            try:
+                os.write(self._log_fd, text.encode())
+            except OSError as exc:
+                log.warning("cannot record worker processes for the watchdog: %s", exc)
 
     def life_over(self, w: _Worker) -> None:
+        self.record(w)
         if self.proc is None or self.proc.stdin is None:
             return
         try:
-            self.proc.stdin.write(
-                f"LIFE {w.replica.name} {w.attempt} {w.restart}\n".encode())
+            self.proc.stdin.write(f"LIFE {w.replica.name} {w.attempt} {w.restart}\n".encode())
             self.proc.stdin.flush()
         except OSError:
             pass
 
+    def _close_log(self) -> None:
+        if self._log_fd is not None:
+            os.close(self._log_fd)
+            self._log_fd = None
+
     def close(self) -> None:
         """Sweep every leftover of the job, and wait for that to finish."""
+        self._close_log()
         if self.proc is None:
             return
         try:
@@ -297,6 +381,7 @@ class Launcher:
         self._delayed: list[tuple[float, StartWorker]] = []
         self._failure_log: tuple[float, int] | None = None   # what failures.json says
         self._pending_faults: list[ScheduledFault] = []
+        self._stalls: dict[str, tuple[_Worker, Stall]] = {}   # hung or slowed lives, by name
         self._rng = random.Random(options.seed)
         quota_dir = options.quota_dir or default_quota_dir(options.env)
         capacity = Capacity(detect_gpus(options.env), _cpu_slots(options.env))
@@ -322,6 +407,16 @@ class Launcher:
     # --- set-up -----------------------------------------------------------------------
 
     def _prepare_job_dir(self) -> None:
+        # mkdir would say only "File exists" (or "Not a directory" for a parent).
+        for path in (self.job_dir, *self.job_dir.parents):
+            if path.is_dir():
+                break
+            if path.exists() or path.is_symlink():
+                what = "a file, not a directory" if path.is_file() else "not a directory"
+                subject = "" if path == self.job_dir else f": its parent {path}"
+                raise LaunchError(
+                    f"--job-dir {self.job_dir}{subject} is {what}; pass the path of a "
+                    "directory (it is created if missing)")
         try:
             self.job_dir.mkdir(parents=True, exist_ok=True)
             probe = self.job_dir / ".write-test"
@@ -361,7 +456,7 @@ class Launcher:
     def _record(self) -> dict[str, Any]:
         rec = self.machine.to_record()
         rec["job_spec"] = {
-            "command": list(self.options.command),
+            "command": mask_command(self.options.command),   # no --token=... on disk
             "worker_pool_specs": [{"pool": p, "replica_count": n,
                                    "gpus_per_replica": self.options.gpus_per_worker,
                                    "memory_limit_bytes": self.options.memory_limit}
@@ -419,7 +514,7 @@ class Launcher:
     def run(self) -> int:
         """Run the job to a terminal state; return the launcher's exit status."""
         restore = self._install_signals()
-        watchdog = self._watchdog = _Watchdog(self.env.launch_id)
+        watchdog = self._watchdog = _Watchdog(self.env.launch_id, processes_path(self.job_dir))
         try:
             self._flush_events(force=True)   # job.json exists from the start (QUEUED)
             self._execute(self.machine.start(self.clock()))
@@ -452,6 +547,7 @@ class Launcher:
     def _step(self) -> None:
         now = self.clock()
         self._reap(now)
+        self._snapshot_trees()
         if self._cancel_requests:
             self._execute(self.machine.cancel(now))
             if self._cancel_requests > 1:
@@ -484,9 +580,10 @@ class Launcher:
             fault_at = self.chaos.next_time()
             if fault_at is not None:
                 deadlines.append(self.machine.start_time + fault_at)
-        timeout = 1.0
+        deadlines += [t for _, st in self._stalls.values() if (t := st.deadline()) is not None]
+        timeout = _SNAPSHOT_S if self.workers and _PROC else 1.0
         if self.options.memory_limit is not None and self.workers:
-            timeout = self.options.memory_poll_s
+            timeout = min(timeout, self.options.memory_poll_s)
         if self._wants_capacity or self._pending_faults:
             timeout = min(timeout, 0.25)
         if self.chaos.waits_for_steps and self.machine.start_time is not None:
@@ -591,6 +688,7 @@ class Launcher:
             if cause is not None:
                 w.cause = cause
             w.snapshot_tree()
+            self._end_stall(name, now, " to deliver the SIGTERM of a stop")
             w.terminate()
             deadline = now + grace
             w.kill_at = deadline if w.kill_at is None else min(w.kill_at, deadline)
@@ -667,6 +765,7 @@ class Launcher:
     # --- faults and limits ------------------------------------------------------------
 
     def _inject_faults(self, now: float) -> None:
+        self._drive_stalls(now)
         start = self.machine.start_time
         if start is None or self.machine.state.terminal:
             return
@@ -691,6 +790,8 @@ class Launcher:
         return read_step(telemetry_prefix(self.job_dir, w.attempt, primary, w.restart))
 
     def _inject(self, fault: ScheduledFault, now: float) -> bool:
+        if fault.kind.stalls:
+            return self._begin_stall(fault, now)
         cause = _FAULT_CAUSE[fault.kind]
         if fault.kind.job_wide:
             # Not while the attempt is being stopped for a retry: the fault would be lost.
@@ -710,11 +811,65 @@ class Launcher:
         w.snapshot_tree()
         if fault.kind.has_grace:
             grace = fault.grace if fault.grace is not None else self.options.grace
+            self._end_stall(w.replica.name, now, " to deliver the SIGTERM")
             w.terminate()
             w.kill_at = now + grace
         else:
             w.signal(signal.SIGKILL)
         return True
+
+    def _begin_stall(self, fault: ScheduledFault, now: float) -> bool:
+        """A hang or slow-down: the replica's tree is stopped now (and continued by
+        `_drive_stalls`). A later hang or slow-down of the same life replaces this one."""
+        w = self.workers.get(fault.target or "")
+        if w is None or w.cause is not None or w.kill_at is not None:
+            return False
+        name = w.replica.name
+        self._end_stall(name, now, f" ({fault.kind.value} replaces it)")
+        when = f" at step {fault.at_step}" if fault.at_step is not None else ""
+        lasts = "" if fault.duration is None else f" for {fault.duration:g} s"
+        stall = Stall.begin(fault, now)
+        if fault.kind is FaultKind.SLOW:
+            self.note(f"chaos: slow on {name}{when}: {stall.speed:.0%} speed"
+                      + (lasts or " for the rest of its life"))
+        else:
+            self.note(f"chaos: hang on {name}{when}{lasts}")
+        w.snapshot_tree()
+        stall.tree_at = now
+        self._stalls[name] = (w, stall)
+        self._drive_stalls(now)
+        return True
+
+    def _drive_stalls(self, now: float) -> None:
+        """Stop, continue or release the hung and slowed replicas whose time has come."""
+        for name, (w, stall) in list(self._stalls.items()):
+            if self.workers.get(name) is not w:
+                del self._stalls[name]   # that life is over; a restart runs at full speed
+                continue
+            step = stall.advance(now)
+            if step is StallStep.OVER:
+                self._end_stall(name, now)
+            elif step is StallStep.STOP:
+                if now - stall.tree_at >= _TREE_REFRESH_S:
+                    w.snapshot_tree()   # children started while it ran get stopped too
+                    stall.tree_at = now
+                signal_tree(w.popen.pid, w.tree, signal.SIGSTOP)
+            elif step is StallStep.CONT:
+                signal_tree(w.popen.pid, w.tree, signal.SIGCONT)
+
+    def _end_stall(self, name: str, now: float, why: str = "") -> None:
+        """Continue the replica if a hang or slow-down holds it (a stopped process acts on
+        SIGTERM only once continued), and record how long it lasted."""
+        entry = self._stalls.pop(name, None)
+        if entry is None:
+            return
+        w, stall = entry
+        if self.workers.get(name) is not w:
+            return
+        if stall.stopped:
+            signal_tree(w.popen.pid, w.tree, signal.SIGCONT)
+        what = "resumed" if stall.kind is FaultKind.HANG else "resumed full speed"
+        self.note(f"chaos: {name} {what} after {now - stall.since:.1f} s{why}", kind="signal")
 
     def _tree_memory(self, w: _Worker, limit: int) -> int:
         """Memory of the worker's process tree, each shared page once (resources.tree_pss).
@@ -776,6 +931,20 @@ class Launcher:
             for s, h in old.items():
                 signal.signal(s, h)
         return restore
+
+    def _snapshot_trees(self) -> None:
+        """Record each worker's process tree for the watchdog, every _SNAPSHOT_S: if the
+        launcher is SIGKILLed, the watchdog kills what it was told of, whatever became of
+        that process's session or environment. A new worker is recorded at the first step
+        after its start."""
+        if not _PROC:
+            return
+        now = time.monotonic()
+        for w in self.workers.values():
+            if now - w.snapshot_at >= _SNAPSHOT_S:
+                w.snapshot_tree()
+            if self._watchdog is not None:
+                self._watchdog.record(w)   # (also what other snapshots found meanwhile)
 
     def _sweep(self, w: _Worker) -> None:
         if self._watchdog is not None:
