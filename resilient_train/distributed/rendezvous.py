@@ -1,8 +1,10 @@
 """The generation protocol: how the ranks of a job agree, over one TCPStore, on who forms
 the process group, so a worker restarted with the same rank is never taken for its old self.
 
-The store lives in the primary (rank 0) or, under torchrun, in torchrun's agent. Keys, all
-under ``<namespace>/``:
+The store lives in the primary (rank 0) or, under torchrun, in torchrun's agent. The
+primary's store listens on 127.0.0.1 only; the job's port (MASTER_PORT, on the address the
+peers were told) is a gate that lets in only clients that prove they know the job's secret
+(storeauth.py). Keys, all under ``<namespace>/``:
 
 - ``epoch``: the hosting process's incarnation id. A new one means the primary restarted.
 - ``gen``: the current generation, a decimal integer. It only grows.
@@ -23,10 +25,12 @@ Survivors watch ``gen`` (see group.py) and re-join too.
 from __future__ import annotations
 
 import datetime
+import errno
 import logging
 import socket
 import time
 import uuid
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -38,6 +42,7 @@ from tenacity import (
     wait_random_exponential,
 )
 
+from . import storeauth
 from .errors import (
     BarrierTimeoutError,
     DistributedConfigError,
@@ -86,11 +91,42 @@ class Rendezvous:
     def _key(self, *parts: object) -> str:
         return "/".join([self.ns, *(str(p) for p in parts)])
 
+    @property
+    def store(self) -> Any:
+        return self._store
+
+    @store.setter
+    def store(self, value: Any) -> None:
+        old = getattr(self, "_store", None)
+        if old is not None and value is not old:
+            # The store is dropped (shutdown, or it went away): end its relayed connections
+            # and their threads, and (the primary) stop taking connections on its port.
+            gate = getattr(self, "_gate", None)
+            if gate is not None:
+                gate.close()
+                self._gate = None
+            self._relays.close()
+            self._relays = storeauth.Relays()   # for the next store's connections
+        elif not hasattr(self, "_relays"):
+            self._relays = storeauth.Relays()
+        self._store = value
+
+    def local_ports(self) -> frozenset[int]:
+        """Ports this process listens on for the store: connections accepted there are the
+        store's (the gate's, the inner server's, a forwarder's), never a process group's."""
+        return storeauth.listening_ports() | {self.port}
+
+    def _secret(self) -> bytes:
+        return storeauth.job_secret(self.ns)
+
     def connect(self, deadline: float) -> None:
         """Host the store (rank 0 without an agent store) or connect to it, until ``deadline``
         (a time.monotonic() value). Sets ``self.store`` and ``self.epoch``."""
         if self.hosts_store:
-            self.store = self._host_store(deadline)
+            store, gate = self._host_store(deadline)
+            self.store = store
+            self._gate: storeauth.StoreGate | None = gate
+            weakref.finalize(self, gate.close)  # a Rendezvous dropped without a shutdown
             self.epoch = self.incarnation
             # "gen" before "epoch": a client that sees the epoch also sees a generation.
             self.store.set(self._key("gen"), "0")
@@ -125,6 +161,24 @@ class Rendezvous:
             logger.info("connected to %s's store at %s:%d after %.1f s", what, self.host,
                         self.port, time.monotonic() - start)
 
+    def _open(self, address: str, timeout_s: float) -> tuple[str, int]:
+        """Where this process's next TCPStore client connects to reach the store at
+        ``address``: a forwarder that has passed the primary's gate, or (torchrun's agent
+        store, which has no gate) the store itself. Raises OSError while nothing listens
+        (a plain connect: a refused TCPStore connect prints a C++ stack trace per attempt,
+        thousands of lines over a long wait for the primary)."""
+        if storeauth.agent_hosts_store():
+            socket.create_connection((address, self.port), timeout=timeout_s).close()
+            return address, self.port
+        try:
+            return storeauth.LOOPBACK, storeauth.forward(
+                address, self.port, self._secret(), self._relays, connect_timeout_s=timeout_s)
+        except storeauth.StoreAuthError as exc:
+            if not getattr(self, "_auth_warned", False):   # retried until the deadline
+                self._auth_warned = True
+                logger.warning("%s; retrying until the join deadline", exc)
+            raise
+
     def _connect_once(self, deadline: float, what: str) -> None:
         import torch.distributed as dist
 
@@ -132,13 +186,10 @@ class Rendezvous:
         address = resolve(self.host, self.port, what=what,
                           deadline_s=max(0.0, deadline - time.monotonic()), **kwargs)
         remaining = deadline - time.monotonic()
-        # A plain connect first: while nothing listens, a refused TCPStore connect prints a
-        # C++ stack trace per attempt (thousands of lines over a long wait for the primary).
-        socket.create_connection((address, self.port), timeout=min(1.0, max(remaining, 0.1))
-                                 ).close()
+        host, port = self._open(address, min(1.0, max(remaining, 0.1)))
         # Short attempts: torch's own retry inside one attempt backs off to seconds, which is
         # how long a worker would then lag behind a primary that is already up.
-        store = dist.TCPStore(address, self.port, is_master=False,
+        store = dist.TCPStore(host, port, is_master=False,
                               timeout=_ms(min(1.0, max(remaining, 0.1))), wait_for_workers=False)
         store.set_timeout(_ms(min(10.0, max(remaining, 0.5))))
         if self.rank == 0:
@@ -151,33 +202,74 @@ class Rendezvous:
         store.set_timeout(_ms(max(remaining, 1.0)))
         self.store = store
 
-    def _host_store(self, deadline: float) -> Any:
+    def _bind_addresses(self, deadline: float) -> list[str]:
+        """The addresses of this machine that MASTER_ADDR names (never all interfaces)."""
+        resolver = self.resolver or socket.getaddrinfo
+        # Its own name can resolve late too (the platform's DNS): wait for it like a client.
+        resolve(self.host, self.port, what=f"this machine's name ({self.name_of(0)})",
+                deadline_s=max(0.0, min(deadline, time.monotonic() + 60.0) - time.monotonic()),
+                resolver=resolver)
+        infos = resolver(self.host, self.port, type=socket.SOCK_STREAM)
+        return storeauth.bind_addresses(self.host, [str(i[4][0]) for i in infos])
+
+    def _host_store(self, deadline: float) -> tuple[Any, storeauth.StoreGate]:
         import torch.distributed as dist
 
+        secret = self._secret()
+        addresses = self._bind_addresses(deadline)
         give_up = min(deadline, time.monotonic() + 30.0)
+        tampered = 0
         while True:
             try:
-                return dist.TCPStore("0.0.0.0", self.port, is_master=True,
-                                     timeout=_ms(self.join_timeout_s), wait_for_workers=False)
-            except (RuntimeError, OSError) as exc:
+                gate = storeauth.StoreGate(addresses, self.port, secret)
+            except OSError as exc:
                 # The previous incarnation's socket can hold the port for a moment.
-                if "in use" not in str(exc).lower() or time.monotonic() >= give_up:
+                if exc.errno != errno.EADDRINUSE or time.monotonic() >= give_up:
                     raise DistributedConfigError(
-                        f"cannot listen on port {self.port} for the job's rendezvous store "
-                        f"({str(exc).splitlines()[0]}). Another process holds it: choose a "
-                        f"free MASTER_PORT.") from exc
+                        f"cannot listen on {'/'.join(addresses)} port {self.port} for the "
+                        f"job's rendezvous store ({exc.strerror or exc}). "
+                        + ("Another process holds it: choose a free MASTER_PORT."
+                           if exc.errno == errno.EADDRINUSE else
+                           f"Set MASTER_ADDR (or {storeauth.BIND_ENV}) to an address of "
+                           f"this machine.")) from exc
                 time.sleep(0.5)
+                continue
+            try:
+                # The server itself on loopback only: TCPStore's libuv server would bind
+                # every interface given a port, but keeps to the socket it is handed.
+                store = dist.TCPStore(storeauth.LOOPBACK, gate.inner_port, is_master=True,
+                                      master_listen_fd=gate.inner_fd(),
+                                      timeout=_ms(self.join_timeout_s), wait_for_workers=False)
+                gate.seal(store)
+            except storeauth.StoreTamperedError as exc:
+                gate.close()
+                tampered += 1
+                if tampered >= 3:
+                    raise DistributedConfigError(
+                        f"{exc}, {tampered} times in a row: another process on this machine "
+                        f"is probing the job's store; stop it") from exc
+                logger.warning("%s; starting the store again", exc)
+                continue
+            except BaseException:
+                gate.close()
+                raise
+            gate.start()
+            logger.info("rendezvous store listening on %s port %d (clients must know the "
+                        "job's secret)", "/".join(gate.addresses), self.port)
+            return store, gate
 
     def client(self) -> Any:
         """A second connection to the same store, for a watcher thread."""
         import torch.distributed as dist
 
-        if self.hosts_store:
-            address = "127.0.0.1"
+        gate = getattr(self, "_gate", None)
+        if gate is not None:
+            address = gate.addresses[0]
         else:
             kwargs: dict[str, Any] = {"resolver": self.resolver} if self.resolver else {}
             address = resolve(self.host, self.port, deadline_s=30.0, **kwargs)
-        return dist.TCPStore(address, self.port, is_master=False, timeout=_ms(10.0),
+        host, port = self._open(address, 10.0)
+        return dist.TCPStore(host, port, is_master=False, timeout=_ms(10.0),
                              wait_for_workers=False)
 
     # --- generations ------------------------------------------------------------------

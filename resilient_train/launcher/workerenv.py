@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import os
+import secrets
 import sys
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from ..cluster import cluster_spec_json, tf_config_json
 from ..errors import ERROR_FILE_ENV
@@ -15,6 +16,9 @@ from ..telemetry import FAILURES_ENV, OBSERVED_MTBF_ENV, TELEMETRY_ENV
 # or reduction servers) and 3 (evaluators) do not.
 TRAINING_POOLS = ("workerpool0", "workerpool1")
 LAUNCH_ID_ENV = "RESILIENT_TRAIN_LAUNCH_ID"
+# The rendezvous store's secret, as distributed/storeauth.py reads it (not imported from
+# there: the launcher does not load the distributed package).
+SECRET_ENV = "RESILIENT_TRAIN_JOB_SECRET"
 
 
 @dataclass(frozen=True)
@@ -55,6 +59,9 @@ class JobEnv:
     # Unique per launch; every worker (and whatever it spawns) inherits it, so the launcher
     # can find the processes of its job that left their process group.
     launch_id: str = ""
+    # The rendezvous store's secret (distributed/storeauth.py), new per launch. Only the
+    # replicas' environment carries it: never the job record, the logs or a repr.
+    job_secret: str = field(default_factory=lambda: secrets.token_hex(32), repr=False)
 
 
 LOCAL_PROJECT_NUMBER = "000000000000"
@@ -98,6 +105,10 @@ def worker_env(job: JobEnv, replica: Replica, *, attempt: int, restart: int,
     })
     if job.launch_id:
         env[LAUNCH_ID_ENV] = job.launch_id
+    # A secret the user set (the job spec's env, as on the platform) wins: it is the same
+    # for every replica too.
+    if not env.get(SECRET_ENV, "").strip():
+        env[SECRET_ENV] = job.job_secret
     if replica.rank is not None:
         env["RANK"] = env["GROUP_RANK"] = str(replica.rank)
     else:
@@ -117,7 +128,8 @@ def worker_env(job: JobEnv, replica: Replica, *, attempt: int, restart: int,
     if gpu_ids is not None:
         env["CUDA_VISIBLE_DEVICES"] = ",".join(str(g) for g in gpu_ids)
     if sys.platform.startswith("linux"):
-        # Every replica is on this host: keep gloo on loopback unless the user chose.
+        # Every replica is on this host: keep gloo's listeners on loopback (they have no
+        # authentication) unless the user chose an interface.
         env.setdefault("GLOO_SOCKET_IFNAME", "lo")
     # On the platform each replica has its VM's cores; here they share this machine's.
     # Without a share each process starts one thread per core, and N replicas thrash
