@@ -54,7 +54,7 @@ def train(ctx: rt.Context, args: argparse.Namespace) -> None:
         loss.backward()                  # the gradient all-reduce: fails if a peer died
         opt.step()
         time.sleep(args.step_time)
-        if (step == args.hang_at_step and ctx.rank == 1
+        if (step == args.hang_at_step and ctx.rank == ctx.world_size - 1
                 and os.environ.get("RESILIENT_TRAIN_ATTEMPT", "1") == "1"):
             time.sleep(10_000)           # a hung worker: the watchdog must notice
         ctx.values["data_position"] = step + 1   # saved with every checkpoint

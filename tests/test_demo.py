@@ -6,6 +6,7 @@ exit instead of recovering in-process. (Bitwise-exact recovery: test_flagship.py
 from __future__ import annotations
 
 import json
+from datetime import datetime
 import os
 import re
 import shlex
@@ -57,10 +58,11 @@ def test_the_readme_main_job_recovers_from_a_killed_worker(tmp_path: Path) -> No
 
 
 def launch_demo(tmp: Path, *launcher_args: str, script_args: tuple[str, ...] = (),
-                env: dict[str, str] | None = None) -> tuple[dict, str, Path]:
+                env: dict[str, str] | None = None, workers: int = 2
+                ) -> tuple[dict, str, Path]:
     job_dir = tmp / "job"
     proc = subprocess.run(
-        [sys.executable, "-m", "resilient_train.cli", "launch", "--workers", "2",
+        [sys.executable, "-m", "resilient_train.cli", "launch", "--workers", str(workers),
          "--job-dir", str(job_dir), *launcher_args, "--",
          sys.executable, str(ROOT / "examples" / "train_demo.py"),
          "--steps", "60", "--step-time", "0.05", *script_args],
@@ -101,3 +103,37 @@ def test_a_hung_worker_is_detected_and_the_job_recovers(tmp_path: Path) -> None:
     assert "train_demo.py" in report["traceback"]
     assert "time.sleep(10_000)" in report["traceback"]
     assert "resumed from step 20" in out   # the last checkpoint before the hang
+
+
+@pytest.mark.slow
+def test_the_hang_watchdog_arms_for_a_single_worker(tmp_path: Path) -> None:
+    # RESILIENT_TRAIN_HANG_TIMEOUT_S did nothing with --workers 1: the watchdog was armed only
+    # once a multi-rank group had formed.
+    job, out, job_dir = launch_demo(tmp_path, workers=1, script_args=("--hang-at-step", "25"),
+                                    env={"RESILIENT_TRAIN_HANG_TIMEOUT_S": "3"})
+    assert job["attempts"][0]["replicas"]["workerpool0-0"]["exit_codes"] == [134]
+    assert len(job["attempts"]) == 2
+    report = json.loads(next((job_dir / "reports" / "attempt-1").glob(
+        "workerpool0-0.*.json")).read_text())["resilient_train"]
+    assert report["message"].startswith("hang: no training step finished for")
+    assert "resumed from step 20" in out
+
+
+@pytest.mark.slow
+def test_sigterm_reaches_a_primary_blocked_in_a_collective_with_a_frozen_peer(
+        tmp_path: Path) -> None:
+    # The peer is frozen (SIGSTOP) so the primary's collective never returns and Python
+    # never runs its SIGTERM handler: it sat out the 30 s grace until the SIGKILL. The
+    # stall guard ends the collectives 5 s in and the primary exits transient by itself.
+    job, out, _ = launch_demo(tmp_path, "--chaos", "hang:1@step20+15s,preempt:0@step20/30s")
+    primary = job["attempts"][0]["replicas"]["workerpool0-0"]
+    assert primary["exit_codes"][0] == 134, primary       # not 137: no SIGKILL needed
+    assert "the main thread has been blocked inside torch" in out
+    assert "SIGTERM while the process group was failing" in out
+    events = job["events"]
+    sent = next(e for e in events if "preempt on workerpool0-0" in e["message"])
+    exited = next(e for e in events if e["message"].startswith("workerpool0-0: exited"))
+    took = (datetime.fromisoformat(exited["time"].replace("Z", "+00:00"))
+            - datetime.fromisoformat(sent["time"].replace("Z", "+00:00"))).total_seconds()
+    # A bound on the mechanism (5 s stall, then the exit) against the 30 s grace.
+    assert took < 25, (sent, exited)

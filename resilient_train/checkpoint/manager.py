@@ -44,7 +44,7 @@ from typing import Any, BinaryIO
 
 import torch
 
-from .. import __version__
+from .. import __version__, sigterm
 from ..errors import Classification, PermanentError, TransientError, classify_exception
 from ..telemetry import ObservedMtbf
 from . import fileio
@@ -847,6 +847,7 @@ class CheckpointManager:
 
         def on_sigterm(signum: int, frame: Any) -> None:
             self._sigterm = True
+            sigterm.note()  # for the waits on peers, which must not outlast the grace period
 
         self._old_sigterm = signal.signal(signal.SIGTERM, on_sigterm)
 

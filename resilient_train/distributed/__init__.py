@@ -6,6 +6,7 @@ from .errors import (
     PeerRestartedError,
     PrimaryUnreachableError,
     RendezvousTimeoutError,
+    StopRequestedError,
 )
 from .group import DistributedGroup, DistributedOptions, init_distributed, is_peer_failure
 from .hang import HangWatchdog
@@ -13,5 +14,6 @@ from .hang import HangWatchdog
 __all__ = [
     "BarrierTimeoutError", "DistributedConfigError", "DistributedGroup", "DistributedOptions",
     "HangWatchdog", "PeerRestartedError", "PrimaryUnreachableError", "RendezvousTimeoutError",
+    "StopRequestedError",
     "init_distributed", "is_peer_failure",
 ]

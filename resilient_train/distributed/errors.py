@@ -33,5 +33,11 @@ class PeerRestartedError(TransientError):
         self.generation = generation
 
 
+class StopRequestedError(TransientError):
+    """SIGTERM arrived while this process waited for its peers (to form the group, at a
+    barrier): it leaves instead of waiting for peers that are being stopped too, so the
+    grace period is not spent waiting. Transient: the platform restarts or retries."""
+
+
 class DistributedConfigError(PermanentError, ValueError):
     """A setting that can never work (bad backend, rank outside the world...)."""

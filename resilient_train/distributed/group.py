@@ -4,8 +4,9 @@ notices within a second when a peer restarts, and re-forms in-process.
 One `DistributedGroup` per process. Its parts:
 - the rendezvous (rendezvous.py): which processes form which generation;
 - a watcher thread on a second store connection: when the generation moves on (a peer
-  restarted) or the store vanishes (the primary restarted), it flags the group and, for
-  NCCL, aborts the communicator so a collective stuck on the dead peer returns;
+  restarted) or the store vanishes (the primary restarted), it flags the group and ends
+  every collective in flight: NCCL's communicator is aborted, and gloo's connections are
+  shut down (sever.py), so no survivor waits on another survivor that has left;
 - `run(fn)`: calls ``fn``; when it fails because a peer went away, tears the process
   group down, re-forms it at the next generation and calls ``fn`` again. ``fn`` is the
   same code a restarted process would run (restore the latest checkpoint, train on), so
@@ -27,12 +28,14 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any, Literal, TypeVar
 
+from .. import sigterm
 from ..cluster import ClusterInfo
 from ..errors import PEER_LOST_MESSAGES, exit_transient
 from .errors import DistributedConfigError, PeerRestartedError, RendezvousTimeoutError
 from .hang import HangWatchdog, report_and_exit
 from .rendezvous import Rendezvous
 from .resolve import Resolver
+from .sever import Baseline, sever_gloo
 
 logger = logging.getLogger(__name__)
 
@@ -184,6 +187,10 @@ class DistributedGroup:
         self._closed = False
         self._hang = HangWatchdog(options.hang_timeout_s) if options.hang_timeout_s else None
         self._on_stuck: Callable[[str], None] = report_and_exit
+        # What listened before any process group existed: what appears later is gloo's.
+        self._sockets_before = Baseline.now()
+        self._sigterm_guard = sigterm.StallGuard(lambda: self._end_collectives(leaving=True),
+                                                 report_and_exit)
         atexit.register(self._at_exit)
 
     # --- what the training code sees ----------------------------------------------------
@@ -242,6 +249,14 @@ class DistributedGroup:
         """Tear the process group down and re-form it at the next generation (or, with
         ``on_peer_restart="exit"``, exit with the transient code)."""
         reason = self._peer_reason or _one_line(cause)
+        if sigterm.received():
+            # Being stopped (a preemption, a job retry): the peers are too, so re-forming
+            # would wait for nobody until the grace period's SIGKILL.
+            self._stop_watcher()
+            self._destroy_pg()
+            exit_transient(f"SIGTERM while the process group was failing ({reason}); "
+                           f"exiting instead of re-forming it",
+                           exc=cause if isinstance(cause, BaseException) else None)
         if self.options.on_peer_restart == "exit" or self.world_size == 1:
             self._stop_watcher()
             self._destroy_pg()
@@ -277,6 +292,7 @@ class DistributedGroup:
             return
         self._closed = True
         self._stop_watcher()
+        self._sigterm_guard.close()
         if self._hang is not None:
             self._hang.close()
         if wait_for_peers and self.world_size > 1 and not self._peer_lost.is_set():
@@ -305,6 +321,8 @@ class DistributedGroup:
             dist.init_process_group(self.backend, store=dist.HashStore(), rank=0, world_size=1,
                                     timeout=timeout)
             self.generation = 0
+            if self._hang is not None:  # a lone worker can hang too (I/O, a deadlock)
+                self._hang.arm()
             return
         deadline = time.monotonic() + self.options.join_timeout_s
         form_timeout = datetime.timedelta(seconds=min(self.options.form_timeout_s,
@@ -324,6 +342,7 @@ class DistributedGroup:
             kwargs: dict[str, Any] = {}
             if self.backend == "nccl":
                 kwargs["device_id"] = self.device  # eager init: a bad GPU fails here
+            _reset_group_names()
             try:
                 dist.init_process_group(self.backend, store=self._rdzv.pg_store(gen),
                                         rank=self.rank, world_size=self.world_size,
@@ -347,6 +366,8 @@ class DistributedGroup:
             break
         logger.info("%s: rank %d of %d joined generation %d (%s)", self.replica_name,
                     self.rank, self.world_size, gen, self.backend)
+        if at_least == 0:
+            self._sigterm_guard.install()  # once, from init_distributed (the main thread)
         self._start_watcher(gen)
         if self._hang is not None:
             self._hang.arm()
@@ -374,6 +395,9 @@ class DistributedGroup:
         guard.start()
         try:
             self._stop_watcher()
+            # Before the destroy, which waits for the group's collectives in flight: they
+            # may wait on a survivor that is itself waiting on us.
+            self._sever()
             self._destroy_pg()
         finally:
             guard.cancel()
@@ -395,6 +419,13 @@ class DistributedGroup:
                 except Exception as exc2:  # the peer is gone: nothing left to free
                     logger.debug("destroy_process_group: %s", exc2)
         gc.collect()  # gloo closes a group's sockets when the last reference goes
+
+    def _sever(self, outgoing: bool = False) -> None:
+        exclude = self._rdzv.local_ports()  # the rendezvous store's own listeners
+        severed = sever_gloo(self._sockets_before, exclude, outgoing=outgoing)
+        if severed:
+            logger.info("%s: shut down %d gloo connections of generation %d", self.replica_name,
+                        severed, self.generation)
 
     def _store_alive(self) -> bool:
         store = self._rdzv.store
@@ -446,9 +477,17 @@ class DistributedGroup:
         self._peer_reason = reason
         self._peer_lost.set()
         logger.warning("%s: %s", self.replica_name, reason)
+        self._end_collectives()
+
+    def _end_collectives(self, leaving: bool = False) -> None:
+        """Make every collective in flight return with an error, from any thread. A process
+        that is ``leaving`` also cuts the connections it opened: a frozen peer cannot cut
+        the ones it accepted."""
+        # gloo groups (the default one on CPU, the checkpoint coordination's on any backend)
+        # return from a collective only when one of its sockets fails: make them fail.
+        self._sever(outgoing=leaving)
         if self.backend == "nccl":
             # NCCL would sit in a collective until its timeout; aborting makes it return.
-            # (gloo returns by itself: the dead peer's sockets are closed.)
             try:
                 from torch.distributed.distributed_c10d import _abort_process_group
 
@@ -461,6 +500,23 @@ class DistributedGroup:
             self.shutdown(wait_for_peers=False)
         except Exception:  # at interpreter exit: nothing useful to do with an error
             pass
+
+
+def _reset_group_names() -> None:
+    """Name the next default group "0", as in a fresh process.
+
+    torch names a group (and prefixes its store keys) by a process-wide counter that a
+    failed ``init_process_group`` advances and only destroying a formed group resets: after
+    a member died mid-formation, the survivors' next group was "1" and the restarted
+    member's "0", and each waited for keys the other never wrote. With the counter reset,
+    a generation's keys depend on the generation alone.
+    """
+    from torch.distributed import distributed_c10d
+
+    try:
+        distributed_c10d._world.group_count = 0
+    except AttributeError:  # a private torch API: older or newer torch without it
+        logger.debug("torch has no group counter to reset")
 
 
 def _set_pg_timeout(timeout: datetime.timedelta) -> None:

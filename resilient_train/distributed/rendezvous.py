@@ -42,6 +42,7 @@ from tenacity import (
     wait_random_exponential,
 )
 
+from .. import sigterm
 from . import storeauth
 from .errors import (
     BarrierTimeoutError,
@@ -49,6 +50,7 @@ from .errors import (
     PeerRestartedError,
     PrimaryUnreachableError,
     RendezvousTimeoutError,
+    StopRequestedError,
 )
 from .resolve import Resolver, resolve
 
@@ -324,6 +326,10 @@ class Rendezvous:
                 return True
             if self.generation() != gen:
                 return False
+            if sigterm.received():
+                raise StopRequestedError(
+                    f"SIGTERM while waiting for {len(self._missing(keys))} of "
+                    f"{self.world_size} ranks to form generation {gen}; leaving")
             gave_up = self._key("g", gen, "gave_up")
             if self.store.check([gave_up]):
                 # The primary's deadline passed first: fail with its words, before its store
@@ -381,6 +387,8 @@ class Rendezvous:
         sleep = 0.005
         while not self.store.check(keys):
             now = time.monotonic()
+            if sigterm.received():
+                raise StopRequestedError(f"SIGTERM while waiting at barrier {name!r}; leaving")
             current = self.generation()
             if current != gen:
                 raise PeerRestartedError(
