@@ -83,6 +83,8 @@ BENCHES: list[Bench] = [
           ["--restarts", "5", "--idle-seconds", "10"], [], quick_timeout=900),
     Bench("goodput", "bench_goodput.py", "Goodput under chaos, by checkpoint policy",
           ["--quick"], []),
+    Bench("soak", "bench_soak.py", "Kill soak: one 4-worker job, kills at random steps over "
+          "every rank", ["--kills", "8"], [], quick_timeout=900),
 ]
 BY_NAME = {b.name: b for b in BENCHES}
 
@@ -582,9 +584,59 @@ def section_goodput(d: dict[str, Any]) -> Section:
     return "\n".join(md), svgs
 
 
+def section_soak(d: dict[str, Any]) -> Section:
+    cfg = d.get("config") or {}
+    s = d.get("summary") or {}
+    rec = s.get("recovery_s") or {}
+    kills = d.get("kills") or []
+    md = [(f"{cfg.get('workers', '?')} workers, {cfg.get('steps', '?')} steps of "
+           f"`examples/train_demo.py` (`--step-time {cfg.get('step_time_s', '?')}`, a save "
+           f"every {cfg.get('save_every', '?')} steps), {cfg.get('kills', '?')} SIGKILLs "
+           f"(`kill:R@stepN`, seed {cfg.get('seed', '?')}). Recovery = the launcher's kill "
+           "event -> the last rank's first step done after its restore (telemetry)."), "",
+          md_table(["kills", "recovered (in place)", "recovery s: min / median / max",
+                    "job retries", "job", "failures"],
+                   [[f"{s.get('kills_fired', '-')}/{s.get('planned_kills', '-')}",
+                     f"{s.get('recovered', '-')} ({s.get('recovered_in_place', '-')})",
+                     f"{fnum(rec.get('min'), 2)} / {fnum(rec.get('median'), 2)} / "
+                     f"{fnum(rec.get('max'), 2)}",
+                     str(s.get("job_retries", "-")),
+                     str(s.get("job_state", "-")).replace("JOB_STATE_", ""),
+                     str(len(s.get("failures") or []))]])]
+    for f in s.get("failures") or []:
+        md += ["", f"**Failure**: {f}"]
+    rows, cats, values, labels = [], [], {}, {}
+    for k in kills:
+        name = f"kill {k.get('kill')}: rank {k.get('rank')} @ step {k.get('at_step')}"
+        cats.append(name)
+        values[(name, "recovery")] = k.get("recovery_s")
+        if not k.get("recovered"):
+            labels[(name, "recovery")] = "not recovered"
+        rows.append([str(k.get("kill")), str(k.get("rank")), str(k.get("at_step")),
+                     str(k.get("steps_done_at_kill")), str(k.get("resumed_from")),
+                     fnum(k.get("survivors_reformed_s"), 1), fnum(k.get("recovery_s"), 2),
+                     (k.get("slowest", "") + (" (job retry)" if k.get("job_retry") else ""))
+                     if k.get("recovered") else f"FAILED: {k.get('why', '?')}"])
+    md += ["", "<details><summary>every kill</summary>\n",
+           md_table(["kill", "rank", "at step", "stopped at", "resumed from",
+                     "survivors re-formed s", "recovery s", "slowest rank / note"], rows),
+           "\n</details>"]
+    m = d.get("machine") or {}
+    if m.get("load_average_start"):
+        md += ["", f"Load average at start {m['load_average_start']}, at end "
+               f"{m.get('load_average_end')}; job {fnum(d.get('job_wall_s'), 0)} s."]
+    svgs = {}
+    if cats:
+        svgs["soak.svg"] = plots.grouped_bars(
+            "Kill soak: kill -> every rank training again (s, lower is better)", cats,
+            ["recovery"], values, unit="seconds", labels=labels, missing_label="not recovered")
+    return "\n".join(md), svgs
+
+
 SECTIONS: dict[str, Callable[[dict[str, Any]], Section]] = {
     "checkpoint": section_checkpoint, "distributed": section_distributed,
     "runtime": section_runtime, "launcher": section_launcher, "goodput": section_goodput,
+    "soak": section_soak,
 }
 
 

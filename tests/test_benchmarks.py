@@ -13,7 +13,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 RUN_ALL = ROOT / "benchmarks" / "run_all.py"
 RESULTS = ROOT / "benchmarks" / "results"
-NAMES = ["checkpoint", "distributed", "runtime", "launcher", "goodput"]
+NAMES = ["checkpoint", "distributed", "runtime", "launcher", "goodput", "soak"]
 SVG = "{http://www.w3.org/2000/svg}svg"
 
 # A minimal goodput.json, for a checkout where bench_goodput.py has not been run yet.
