@@ -1,7 +1,9 @@
 """Soak: one 4-worker job killed 20 times at seeded random steps, over every rank.
 
     python benchmarks/bench_soak.py [--kills 20] [--seed 1] [--workers 4] [--out PATH]
-    python benchmarks/bench_soak.py --chaos "kill:1@step40,kill:2@step90" --steps 300
+        [--against torchrun|none] [--torchrun-store shared|own] [--recovery-limit 60]
+    python benchmarks/bench_soak.py --chaos "kill:1@step40,kill:2@step90" --steps 300 \
+        --against none
 
 One launcher job, ``python -m resilient_train.cli launch --workers 4 --chaos
 kill:R@stepN,...`` running ``examples/train_demo.py`` (DDP over gloo, a save every 10
@@ -38,6 +40,26 @@ before the job ended), a planned kill that never fired, or the job not SUCCEEDED
 table and writes JSON (with the load average at start and end: other jobs on this 2-core
 machine swing these numbers) to benchmarks/results/soak.json. ``--chaos`` runs a spec
 given verbatim instead of the seeded plan (``--steps`` then sets the job's length).
+
+Then, in the same run (``--against torchrun``, the default; ``none`` skips it), the tool a
+user would pick instead: ``torchrun --standalone --nnodes 1 --nproc-per-node W
+--max-restarts K`` (K = the kills: one restart round per kill) on the same training,
+``train_demo.py`` unchanged (it reads torchrun's variables and resumes from its own
+checkpoint directory), started by benchmarks/soak_torchrun_worker.py, which gives each
+process the per-life telemetry prefix the launcher would and writes its pid. The same
+plan: once the primary's current life has finished step N (its telemetry, polled every
+0.02 s; the launcher polls every 0.05 s) the harness SIGKILLs rank R's process; torchrun
+then stops the other workers (SIGTERM) and starts all W again. Recovery is measured the
+same way, from the same telemetry: the harness's time just before its SIGKILL -> the
+last rank's first step done in a segment that began after it. The differences: the kill
+time is the harness's clock, not a job.json event; no rank re-forms in-process (every one
+is a new process), so "re-formed s" is empty; a kill not recovered from within
+``--recovery-limit`` (60 s) is a failure and ends that job (the rest count as never
+fired); restarts used = the highest ``TORCHELASTIC_RESTART_COUNT`` seen. ``--torchrun-store
+own`` sets ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` (see bench_distributed.py: plain
+``init_process_group`` scripts need it; ``rt.main`` keeps one store namespace per restart
+round, so it recovers either way). Printed side by side with the ratio of the medians
+(torchrun / ours), and written under ``torchrun`` in the JSON.
 """
 
 from __future__ import annotations
@@ -65,9 +87,10 @@ sys.path.insert(0, str(REPO))
 from resilient_train.launcher.chaos import ChaosSpecError, FaultKind, parse_chaos  # noqa: E402
 from resilient_train.launcher.policy import DEFAULT_BUDGETS  # noqa: E402
 from resilient_train.launcher.record import telemetry_prefixes  # noqa: E402
-from resilient_train.telemetry import Segment, read_life  # noqa: E402
+from resilient_train.telemetry import Segment, read_life, read_step  # noqa: E402
 
 DEMO = REPO / "examples" / "train_demo.py"
+TORCHRUN_WORKER = REPO / "benchmarks" / "soak_torchrun_worker.py"
 RESULTS = REPO / "benchmarks" / "results" / "soak.json"
 DEFAULT_RESTARTS = DEFAULT_BUDGETS["worker_restarts"].limit
 
@@ -167,6 +190,109 @@ def run_job(work: Path, spec: str, steps: int, workers: int, step_time: float,
     return rc, out_path.read_text(errors="replace")[-3000:], wall
 
 
+# --- the torchrun job -------------------------------------------------------------------
+
+def _current_life(bench: Path, rank: int) -> tuple[int, Path] | None:
+    """(restart round, pid file) of ``rank``'s newest life; None before its first."""
+    best = None
+    for f in (bench / "pids").glob(f"rank{rank}.restart-*"):
+        n = int(f.name.rsplit("-", 1)[1])
+        if best is None or n > best[0]:
+            best = (n, f)
+    return best
+
+
+def _all_trained_since(bench: Path, workers: int, t: float) -> bool:
+    """Every rank has finished a step in a segment that began after ``t`` (telemetry)."""
+    for r in range(workers):
+        segs = [s for _, _, ss in _lives(bench, f"rank{r}") for s in ss]
+        if not any(s.t_start > t and s.t_first is not None for s in segs):
+            return False
+    return True
+
+
+def run_torchrun(work: Path, plan: list[tuple[int, int]], steps: int, workers: int,
+                 step_time: float, save_every: int, max_restarts: int, limit: float,
+                 share_store: bool, timeout: float) -> dict[str, Any]:
+    """``torchrun --standalone`` on the same training and the same plan: the harness
+    SIGKILLs rank R's process once the primary's current life has finished step N (its
+    telemetry, polled every 0.02 s), then waits up to ``limit`` s for
+    every rank to train again; a kill not recovered from by then ends the job."""
+    bench = work / "torchrun"
+    bench.mkdir()
+    out_path = work / "torchrun.out"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes", "1",
+           "--nproc-per-node", str(workers), "--max-restarts", str(max_restarts),
+           str(TORCHRUN_WORKER), "--steps", str(steps), "--step-time", f"{step_time:g}",
+           "--save-every", str(save_every), "--checkpoint-dir", str(bench / "checkpoints")]
+    env = job_env(work)
+    env["BENCH_SOAK_DIR"] = str(bench)
+    if not share_store:
+        env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
+    t0 = time.monotonic()
+    with out_path.open("wb") as out:
+        proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+    kills: list[dict[str, Any]] = []
+    why = None
+    try:
+        for rank, at in plan:
+            fired = False
+            while proc.poll() is None and time.monotonic() - t0 < timeout:
+                primary, victim = _current_life(bench, 0), _current_life(bench, rank)
+                done = None if primary is None else read_step(
+                    bench / "telemetry" / "attempt-1" / f"rank0.restart-{primary[0]}")
+                # The victim's life in the primary's round: a kill is one restart round.
+                if (done is not None and done >= at and primary is not None
+                        and victim is not None and victim[0] == primary[0]):
+                    pid = int(victim[1].read_text())
+                    t_kill = time.time()
+                    try:
+                        os.kill(pid, signal.SIGKILL)
+                    except ProcessLookupError:
+                        break   # it was leaving: recorded below as never fired
+                    kills.append({"replica": f"rank{rank}", "rank": rank, "at_step": at,
+                                  "attempt": 1, "t": t_kill})
+                    fired = True
+                    break
+                time.sleep(0.02)   # about a step: the kill lands a step or so late
+            if not fired:
+                why = "torchrun exited" if proc.poll() is not None else "no progress"
+                break
+            deadline = time.monotonic() + limit
+            while (proc.poll() is None and time.monotonic() < deadline
+                   and not _all_trained_since(bench, workers, t_kill)):
+                time.sleep(0.2)
+            if not _all_trained_since(bench, workers, t_kill):
+                why = (f"not every rank trained again within {limit:g} s" if proc.poll() is None
+                       else f"torchrun exited ({proc.returncode}) before every rank trained "
+                            f"again")
+                break
+        if why is None:
+            proc.wait(timeout=max(1.0, timeout - (time.monotonic() - t0)))
+    except subprocess.TimeoutExpired:
+        why = f"torchrun did not finish within {timeout:g} s"
+    finally:
+        if proc.poll() is None:   # stopped by the harness: no exit status of its own
+            proc.terminate()   # torchrun stops its workers on SIGTERM
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+            rc: int | None = None
+        else:
+            rc = proc.returncode
+    end = time.time()
+    wall = time.monotonic() - t0
+    rows = kill_rows(bench, [f"rank{r}" for r in range(workers)], kills, end)
+    rounds = [_current_life(bench, r) for r in range(workers)]
+    restarts = max((life[0] for life in rounds if life), default=0)
+    tail = out_path.read_text(errors="replace")[-3000:]
+    return {"rows": rows, "rc": rc, "why": why, "restarts_used": restarts,
+            "tail": tail, "wall": wall, "connectFullMesh": "connectFullMesh" in tail}
+
+
 # --- measuring ---------------------------------------------------------------------------
 
 def _epoch(iso: str) -> float:
@@ -213,6 +339,14 @@ def measure(job_dir: Path) -> dict[str, Any]:
                           "at_step": int(m.group(2)) if m.group(2) else None,
                           "attempt": e.get("attempt"), "t": _epoch(e["time"])})
     end = _epoch(job["end_time"]) if job.get("end_time") else math.inf
+    return {"job": job, "kills": kill_rows(job_dir, replicas, kills, end)}
+
+
+def kill_rows(job_dir: Path, replicas: list[str], kills: list[dict[str, Any]],
+              end: float) -> list[dict[str, Any]]:
+    """One row per kill ({replica, rank, at_step, attempt, t}) from the replicas'
+    telemetry under ``job_dir``: the launcher's job, or a torchrun job laid out the same
+    way (soak_torchrun_worker.py)."""
     lives = {r: _lives(job_dir, r) for r in replicas}
     reforms = {r: _reforms(job_dir, r) for r in replicas}
     rows = []
@@ -269,7 +403,7 @@ def measure(job_dir: Path) -> dict[str, Any]:
             row["slowest"] = max(firsts, key=lambda r: firsts[r])
             row["job_retry"] = any(a != kill["attempt"] for a in attempts)
         rows.append(row)
-    return {"job": job, "kills": rows}
+    return rows
 
 
 def summarize(rows: list[dict[str, Any]], planned: int, job: dict[str, Any],
@@ -309,6 +443,56 @@ def summarize(rows: list[dict[str, Any]], planned: int, job: dict[str, Any],
     out["goodput"] = {k: gp.get(k) for k in ("wall_s", "goodput", "recoveries", "recovery_s",
                                              "steps_lost", "steps")}
     return out
+
+
+def summarize_torchrun(res: dict[str, Any], planned: int, limit: float,
+                       max_restarts: int) -> dict[str, Any]:
+    """The torchrun job's counterpart of ``summarize``: every recovery is a restart of all
+    workers (torchrun's only way), so none is "in place"."""
+    rows = res["rows"]
+    for r in rows:
+        if r["recovered"] and r["recovery_s"] > limit:
+            r.update(recovered=False, why=f"every rank trained again only after "
+                                          f"{r['recovery_s']:.1f} s (limit {limit:g} s)")
+    secs = sorted(r["recovery_s"] for r in rows if r["recovered"])
+    failures = [f"kill {r['kill']} (rank {r['rank']} at step {r['at_step']}): {r['why']}"
+                for r in rows if not r["recovered"]]
+    if len(rows) < planned:
+        failures.append(f"{planned - len(rows)} of {planned} planned kills never fired"
+                        + (f" ({res['why']})" if res["why"] else ""))
+    if res["rc"] != 0:
+        failures.append("torchrun " + (f"exited {res['rc']}" if res["rc"] is not None
+                                       else "was stopped by the harness")
+                        + (" (Gloo connectFullMesh failed in its output)"
+                           if res["connectFullMesh"] else ""))
+    out: dict[str, Any] = {"planned_kills": planned, "kills_fired": len(rows),
+                           "recovered": len(secs), "restarts_used": res["restarts_used"],
+                           "max_restarts": max_restarts, "recovery_limit_s": limit,
+                           "torchrun_exit": res["rc"], "failures": failures}
+    if secs:
+        out["recovery_s"] = {"min": secs[0], "median": round(statistics.median(secs), 3),
+                             "max": secs[-1], "mean": round(statistics.fmean(secs), 3)}
+    return out
+
+
+def print_comparison(ours: dict[str, Any], theirs: dict[str, Any], workers: int,
+                     ratio: float | None) -> None:
+    def cell(s: dict[str, Any]) -> str:
+        rec = s.get("recovery_s") or {}
+        return f"{rec.get('min', '-')} / {rec.get('median', '-')} / {rec.get('max', '-')}"
+    # Processes restarted: ours restarts the killed worker only, torchrun all of them.
+    rows = [("resilient-train launch", ours, str(ours["kills_fired"])),
+            (f"torchrun --max-restarts {theirs['max_restarts']}", theirs,
+             f"{theirs['restarts_used']} x {workers}")]
+    print(f"\n{'':<28} {'recovered':>9} {'recovery s min / median / max':>30} "
+          f"{'restarted':>10} {'failures':>8}")
+    for name, s, restarted in rows:
+        print(f"{name:<28} {str(s['recovered']) + '/' + str(s['planned_kills']):>9} "
+              f"{cell(s):>30} {restarted:>10} {len(s['failures']):>8}")
+    if ratio is not None:
+        print(f"median recovery, torchrun / ours: {ratio:.2f}x")
+    for f in theirs["failures"]:
+        print(f"  TORCHRUN FAILURE: {f}")
 
 
 def print_table(rows: list[dict[str, Any]], summary: dict[str, Any]) -> None:
@@ -357,6 +541,17 @@ def main() -> int:
     ap.add_argument("--workdir", default=None, help="where the job directory goes (default: "
                     "a temporary directory, removed afterwards unless --keep or a failure)")
     ap.add_argument("--keep", action="store_true", help="keep the job directory")
+    ap.add_argument("--against", choices=["torchrun", "none"], default="torchrun",
+                    help="also run the same plan under torchrun --max-restarts (default), "
+                         "or not (none: the quick and test sizes)")
+    ap.add_argument("--torchrun-store", choices=["shared", "own"], default="shared",
+                    help="shared: torch's default, the agent's TCPStore serves the workers; "
+                         "own: TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1")
+    ap.add_argument("--max-restarts", type=int, default=None,
+                    help="torchrun --max-restarts (default: --kills, one round per kill)")
+    ap.add_argument("--recovery-limit", type=float, default=60.0,
+                    help="a torchrun kill not recovered from within this many s is a "
+                         "failure and ends that job")
     ap.add_argument("--out", type=Path, default=RESULTS)
     args = ap.parse_args()
 
@@ -381,6 +576,13 @@ def main() -> int:
     if steps <= last:
         ap.error(f"--steps {steps} ends before the last kill at step {last}: raise it")
     policy = policy_for(plan) if plan else None
+    if args.against == "torchrun" and not plan:
+        ap.error("--against torchrun needs the seeded plan: add --against none to --chaos")
+    max_restarts = args.max_restarts if args.max_restarts is not None else planned
+    if max_restarts < 0:
+        ap.error(f"--max-restarts must be >= 0, found {max_restarts}")
+    if args.recovery_limit <= 0:
+        ap.error(f"--recovery-limit must be > 0 s, found {args.recovery_limit:g}")
     print(f"{args.workers} workers, {steps} steps, {planned} kills: {spec}", flush=True)
 
     load_start = [round(x, 2) for x in os.getloadavg()]
@@ -401,6 +603,19 @@ def main() -> int:
         summary = summarize(rows, planned, job, rc, steps)
         if summary["failures"]:
             keep = True
+        torchrun: dict[str, Any] | None = None
+        if args.against == "torchrun":
+            print(f"torchrun --standalone --max-restarts {max_restarts}, the same plan",
+                  flush=True)
+            tr = run_torchrun(work, plan, steps, args.workers, args.step_time,
+                              args.save_every, max_restarts, args.recovery_limit,
+                              args.torchrun_store == "shared", args.job_timeout)
+            torchrun = {"summary": summarize_torchrun(tr, planned, args.recovery_limit,
+                                                      max_restarts),
+                        "kills": tr["rows"], "job_wall_s": round(tr["wall"], 1)}
+            if torchrun["summary"]["failures"]:
+                torchrun["output_tail"] = tr["tail"]
+                keep = True
     finally:
         if keep:
             print(f"job directory kept: {work / 'job'}")
@@ -408,6 +623,16 @@ def main() -> int:
             shutil.rmtree(work, ignore_errors=True)
     elapsed = time.monotonic() - t0
     print_table(rows, summary)
+    ratio = None
+    if torchrun is not None:
+        print("\ntorchrun:")
+        print_table(torchrun["kills"], {**torchrun["summary"], "recovered_in_place": 0,
+                                        "job_retries": 0, "job_state": "-"})
+        ours_med = (summary.get("recovery_s") or {}).get("median")
+        theirs_med = (torchrun["summary"].get("recovery_s") or {}).get("median")
+        if ours_med and theirs_med:
+            ratio = round(theirs_med / ours_med, 2)
+        print_comparison(summary, torchrun["summary"], args.workers, ratio)
     load_end = [round(x, 2) for x in os.getloadavg()]
     print(f"\njob {wall:.0f} s; load average at start {load_start}, at end {load_end}")
 
@@ -430,6 +655,13 @@ def main() -> int:
         "job_wall_s": round(wall, 1),
         "elapsed_s": round(elapsed, 1),
     }
+    if torchrun is not None:
+        result["config"]["torchrun"] = {
+            "command": f"torchrun --standalone --nnodes 1 --nproc-per-node {args.workers} "
+                       f"--max-restarts {max_restarts} benchmarks/soak_torchrun_worker.py",
+            "store": args.torchrun_store, "recovery_limit_s": args.recovery_limit}
+        result["torchrun"] = torchrun
+        result["median_ratio_torchrun_to_ours"] = ratio
     if summary["failures"]:
         result["launcher_output_tail"] = tail
     args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -84,7 +84,7 @@ BENCHES: list[Bench] = [
     Bench("goodput", "bench_goodput.py", "Goodput under chaos, by checkpoint policy",
           ["--quick"], []),
     Bench("soak", "bench_soak.py", "Kill soak: one 4-worker job, kills at random steps over "
-          "every rank", ["--kills", "8"], [], quick_timeout=900),
+          "every rank", ["--kills", "8", "--against", "none"], [], quick_timeout=900),
 ]
 BY_NAME = {b.name: b for b in BENCHES}
 
@@ -605,31 +605,75 @@ def section_soak(d: dict[str, Any]) -> Section:
                      str(len(s.get("failures") or []))]])]
     for f in s.get("failures") or []:
         md += ["", f"**Failure**: {f}"]
+    tr = d.get("torchrun") or {}
+    ts = tr.get("summary") or {}
+    tcfg = cfg.get("torchrun") or {}
+    if ts:
+        trec = ts.get("recovery_s") or {}
+        md += ["", (f"The same plan under `{tcfg.get('command', 'torchrun')}` (store "
+                    f"{tcfg.get('store', '?')}), the same run: the harness SIGKILLs the rank "
+                    "when the primary's telemetry reaches the step; torchrun restarts every "
+                    "worker. Recovery measured the same way (the harness's kill time); a kill "
+                    f"not recovered within {fnum(ts.get('recovery_limit_s'), 0)} s fails and "
+                    "ends that job."), "",
+               md_table(["", "recovered", "recovery s: min / median / max",
+                         "processes restarted", "failures"],
+                        [["resilient-train launch",
+                          f"{s.get('recovered', '-')}/{s.get('planned_kills', '-')}",
+                          f"{fnum(rec.get('min'), 2)} / {fnum(rec.get('median'), 2)} / "
+                          f"{fnum(rec.get('max'), 2)}", str(s.get("kills_fired", "-")),
+                          str(len(s.get("failures") or []))],
+                         [f"torchrun --max-restarts {ts.get('max_restarts', '?')}",
+                          f"{ts.get('recovered', '-')}/{ts.get('planned_kills', '-')}",
+                          f"{fnum(trec.get('min'), 2)} / {fnum(trec.get('median'), 2)} / "
+                          f"{fnum(trec.get('max'), 2)}",
+                          f"{ts.get('restarts_used', '-')} x {cfg.get('workers', '?')}",
+                          str(len(ts.get("failures") or []))]]),
+               "", f"Median recovery, torchrun / ours: "
+                   f"{fnum(d.get('median_ratio_torchrun_to_ours'), 2)}x."]
+        for f in ts.get("failures") or []:
+            md += ["", f"**torchrun failure**: {f}"]
+    theirs = {k.get("kill"): k for k in tr.get("kills") or []}
+    ours = "resilient-train launch"
+    series = [ours, "torchrun"] if ts else [ours]
     rows, cats, values, labels = [], [], {}, {}
     for k in kills:
         name = f"kill {k.get('kill')}: rank {k.get('rank')} @ step {k.get('at_step')}"
         cats.append(name)
-        values[(name, "recovery")] = k.get("recovery_s")
+        values[(name, ours)] = k.get("recovery_s")
         if not k.get("recovered"):
-            labels[(name, "recovery")] = "not recovered"
+            labels[(name, ours)] = "not recovered"
+        if ts:
+            t = theirs.get(k.get("kill")) or {}
+            values[(name, "torchrun")] = t.get("recovery_s") if t.get("recovered") else None
+            if not t.get("recovered"):
+                labels[(name, "torchrun")] = "not recovered" if t else "never fired"
         rows.append([str(k.get("kill")), str(k.get("rank")), str(k.get("at_step")),
                      str(k.get("steps_done_at_kill")), str(k.get("resumed_from")),
                      fnum(k.get("survivors_reformed_s"), 1), fnum(k.get("recovery_s"), 2),
                      (k.get("slowest", "") + (" (job retry)" if k.get("job_retry") else ""))
                      if k.get("recovered") else f"FAILED: {k.get('why', '?')}"])
-    md += ["", "<details><summary>every kill</summary>\n",
-           md_table(["kill", "rank", "at step", "stopped at", "resumed from",
-                     "survivors re-formed s", "recovery s", "slowest rank / note"], rows),
+        if ts:
+            t = theirs.get(k.get("kill")) or {}
+            rows[-1] += [str(t.get("steps_done_at_kill", "-")), str(t.get("resumed_from", "-")),
+                         fnum(t.get("recovery_s"), 2) if t.get("recovered") else
+                         ("FAILED: " + t["why"] if t else "never fired")]
+    head = ["kill", "rank", "at step", "stopped at", "resumed from", "survivors re-formed s",
+            "recovery s", "slowest rank / note"]
+    if ts:
+        head += ["torchrun: stopped at", "resumed from", "recovery s"]
+    md += ["", "<details><summary>every kill</summary>\n", md_table(head, rows),
            "\n</details>"]
     m = d.get("machine") or {}
     if m.get("load_average_start"):
         md += ["", f"Load average at start {m['load_average_start']}, at end "
-               f"{m.get('load_average_end')}; job {fnum(d.get('job_wall_s'), 0)} s."]
+               f"{m.get('load_average_end')}; job {fnum(d.get('job_wall_s'), 0)} s"
+               + (f", torchrun job {fnum(tr.get('job_wall_s'), 0)} s." if ts else ".")]
     svgs = {}
     if cats:
         svgs["soak.svg"] = plots.grouped_bars(
             "Kill soak: kill -> every rank training again (s, lower is better)", cats,
-            ["recovery"], values, unit="seconds", labels=labels, missing_label="not recovered")
+            series, values, unit="seconds", labels=labels, missing_label="not recovered")
     return "\n".join(md), svgs
 
 
