@@ -188,7 +188,8 @@ class DistributedGroup:
         self._hang = HangWatchdog(options.hang_timeout_s) if options.hang_timeout_s else None
         self._on_stuck: Callable[[str], None] = report_and_exit
         # What listened before any process group existed: what appears later is gloo's.
-        self._sockets_before = Baseline.now()
+        # (A lone worker never severs: no inventory of its sockets at start-up.)
+        self._sockets_before = Baseline.now() if info.world_size > 1 else Baseline(frozenset())
         self._sigterm_guard = sigterm.StallGuard(lambda: self._end_collectives(leaving=True),
                                                  report_and_exit)
         atexit.register(self._at_exit)

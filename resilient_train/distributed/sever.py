@@ -55,11 +55,20 @@ class Baseline:
                    frozenset((c.fd, c.raddr.ip, c.raddr.port) for c in conns if c.raddr))
 
 
+def own_tcp_connections() -> list[Any]:
+    """This process's TCP sockets, listeners included (psutil; raises its errors)."""
+    import psutil
+
+    proc = psutil.Process()
+    list_them = getattr(proc, "net_connections", None) or proc.connections  # psutil < 6
+    return list(list_them(kind="tcp"))   # IPv6 too: TCPStore clients can be IPv6 sockets
+
+
 def _connections() -> list[Any]:
     import psutil
 
     try:
-        return list(psutil.Process().net_connections(kind="tcp"))
+        return own_tcp_connections()
     except (psutil.Error, OSError) as exc:  # never fail a recovery over the inventory
         logger.debug("cannot list this process's sockets: %s", exc)
         return []

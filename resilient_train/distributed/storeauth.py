@@ -41,6 +41,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from .errors import DistributedConfigError
+from .sever import own_tcp_connections
 
 logger = logging.getLogger(__name__)
 
@@ -435,14 +436,6 @@ def _proc_net_tcp() -> list[tuple[int, int, str]]:
     return out
 
 
-def _own_connections() -> list[Any]:
-    import psutil
-
-    proc = psutil.Process()
-    list_them = getattr(proc, "net_connections", None) or proc.connections  # psutil < 6
-    return list(list_them(kind="tcp"))   # TCPStore clients can be IPv6 sockets
-
-
 class StoreTamperedError(ConnectionError):
     """Someone reached the new store in the moment before its filter went up: start over."""
 
@@ -520,7 +513,7 @@ class StoreGate:
             return
         with self._lock:
             self._attach_locked()
-        ours = {c.laddr.port for c in _own_connections()
+        ours = {c.laddr.port for c in own_tcp_connections()
                 if c.raddr and c.raddr.port == self.inner_port}
         # LISTEN is the server itself; TIME_WAIT a connection that is over (whatever it
         # did shows in the keys).
@@ -689,7 +682,7 @@ def _is_own(conn: socket.socket, listen_port: int) -> bool:
     try:
         peer_port = conn.getpeername()[1]
         return any(c.laddr.port == peer_port and c.raddr and c.raddr.port == listen_port
-                   for c in _own_connections())
+                   for c in own_tcp_connections())
     except (OSError, psutil.Error) as exc:   # gone already, or the table is unreadable
         logger.warning("store forwarder: cannot tell whose connection this is (%s): "
                        "refusing it", exc)
