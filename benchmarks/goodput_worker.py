@@ -110,7 +110,10 @@ def main() -> int:
     logging.getLogger("resilient_train.checkpoint.policy").setLevel(logging.INFO)
     policy = make_policy(args.policy, args.auto_floor)
     options = rt.MainOptions(
-        checkpoint=rt.CheckpointOptions(policy=policy, async_save=not args.sync_save),
+        checkpoint=rt.CheckpointOptions(
+            policy=policy, async_save=not args.sync_save,
+            # never: no automatic saves, so the 4-hour ceiling goes too (by name)
+            **({"max_interval_s": None} if isinstance(policy, never) else {})),
         distributed=rt.DistributedOptions(join_timeout_s=120))
     rt.main(train, options=options)(args)
     return 0

@@ -28,6 +28,7 @@ _LAZY = {
     "RetentionPolicy": "resilient_train.checkpoint.retention",
     "every_n_steps": "resilient_train.checkpoint.policy",
     "auto_interval": "resilient_train.checkpoint.policy",
+    "never": "resilient_train.checkpoint.policy",
     "every": "resilient_train.checkpoint.policy",
     "RetryOptions": "resilient_train.checkpoint.storage",
     "main": "resilient_train.runtime",
@@ -50,14 +51,14 @@ __all__ = [
     "TransientError", "exit_permanent", "exit_transient", "record",
     # loaded on first use (see _LAZY)
     "CheckpointManager", "CheckpointOptions", "RetentionPolicy", "RetryOptions", "every", "auto_interval",
-    "every_n_steps", "main", "Context", "MainOptions", "ResumableLoader", "ResumableSampler", "init_distributed", "DistributedGroup", "DistributedOptions",
+    "every_n_steps", "never", "main", "Context", "MainOptions", "ResumableLoader", "ResumableSampler", "init_distributed", "DistributedGroup", "DistributedOptions",
     "is_peer_failure", "BarrierTimeoutError", "PeerRestartedError", "PrimaryUnreachableError",
     "RendezvousTimeoutError",
 ]
 
 if TYPE_CHECKING:
     from .checkpoint.manager import CheckpointManager, CheckpointOptions
-    from .checkpoint.policy import auto_interval, every, every_n_steps
+    from .checkpoint.policy import auto_interval, every, every_n_steps, never
     from .checkpoint.retention import RetentionPolicy
     from .checkpoint.storage import RetryOptions
     from .data import ResumableLoader, ResumableSampler

@@ -23,6 +23,8 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import DataLoader, Dataset, IterableDataset, Sampler
 
+from . import sigterm
+
 __all__ = ["ResumableLoader", "ResumableSampler"]
 
 log = logging.getLogger(__name__)
@@ -214,6 +216,12 @@ class ResumableLoader:
             cast("Dataset[Any]", dataset), batch_size=batch_size, sampler=self.sampler, drop_last=drop_last,
             **dataloader_kwargs)
         self._restores = 0  # bumped by load_state_dict: a live iterator notices and stops
+        # Under @rt.main: the Context (its .step counts finished steps), and the position at
+        # the start of the step in flight, taken at its first fetch: the position to save if
+        # the step is cut short (a SIGTERM to the process group), at no cost per step.
+        self._steps: Any = None
+        self._boundary_step: int | None = None
+        self._boundary = (0, 0)   # (epoch, consumed)
 
     @property
     def epoch(self) -> int:
@@ -244,7 +252,22 @@ class ResumableLoader:
             generator = self.loader.generator
             assert generator is not None
             generator.manual_seed(self._worker_seed())
-        for batch in self.loader:
+        batches = iter(self.loader)
+        if self.loader.num_workers:
+            sigterm.defer_loader_failures()   # torch's SIGCHLD handler exists now
+        steps = self._steps
+        while True:
+            if steps is not None and steps.step != self._boundary_step:
+                self._boundary_step, self._boundary = steps.step, (s.epoch, s.consumed)
+            failure = sigterm.take_loader_failure()
+            if failure is not None:
+                # A worker died while the step computed (a SIGTERM to the process group):
+                # stop here, before waiting for a batch that may never come.
+                raise RuntimeError(failure)
+            try:
+                batch = next(batches)
+            except StopIteration:
+                break
             if self._restores != restores:
                 raise RuntimeError(
                     "the loader's state was loaded while this iterator was live, so its "
@@ -273,8 +296,22 @@ class ResumableLoader:
     def state_dict(self) -> dict[str, Any]:
         return self.sampler.state_dict()
 
+    def _follow_steps(self, steps: Any) -> None:
+        """Take the step boundaries from ``steps.step`` (``ctx.track`` passes the Context)."""
+        self._steps, self._boundary_step = steps, None
+
+    def _rewind_to_boundary(self) -> None:
+        """Set the position back to the start of the step in flight, undoing the batches
+        it drew (micro-batches), for a save of the last finished step. The iterator in
+        flight is stale afterwards."""
+        if self._steps is not None and self._boundary_step == self._steps.step:
+            self.sampler.epoch, self.sampler.consumed = self._boundary
+            self._restores += 1
+        # Otherwise the step in flight has drawn nothing: the position is the boundary's.
+
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         self.sampler.load_state_dict(state)
         self._restores += 1
+        self._boundary_step = None
         log.info("data position restored: epoch %d, %d samples consumed",
                  self.sampler.epoch, self.sampler.consumed)

@@ -48,6 +48,9 @@ class TransientError(Exception):
 
     exit_code: ClassVar[int] = EXIT_TRANSIENT
     classification: ClassVar[Classification] = Classification.TRANSIENT
+    # A planned way out (asked to stop, not a failure): @record logs it as one line; the
+    # error report keeps the traceback.
+    one_line_exit: ClassVar[bool] = False
 
 
 class PermanentError(Exception):
@@ -322,7 +325,8 @@ def _flush_streams() -> None:
 
 
 def _report_and_exit(
-    error: BaseException | str, code: int, classification: Classification, traceback: str
+    error: BaseException | str, code: int, classification: Classification, traceback: str,
+    *, one_line: bool = False,
 ) -> NoReturn:
     try:
         write_error_report(
@@ -330,30 +334,37 @@ def _report_and_exit(
         )
     except Exception:  # the exit code still tells the launcher what happened
         logger.exception("could not write the error report to $%s", ERROR_FILE_ENV)
-    logger.error(
-        "exiting with code %d (%s): %s\n%s",
-        code,
-        classification.value,
-        error if isinstance(error, str) else f"{type(error).__name__}: {error}",
-        traceback.rstrip(),
-    )
+    if one_line:
+        # A planned exit (a SIGTERM's emergency save): a stack here reads like a crash.
+        logger.warning("%s, exit %d", error, code)
+    else:
+        logger.error(
+            "exiting with code %d (%s): %s\n%s",
+            code,
+            classification.value,
+            error if isinstance(error, str) else f"{type(error).__name__}: {error}",
+            traceback.rstrip(),
+        )
     _flush_streams()
     raise SystemExit(code)
 
 
-def _exit(reason: str, exc: BaseException | None, code: int, c: Classification) -> NoReturn:
+def _exit(reason: str, exc: BaseException | None, code: int, c: Classification,
+          one_line: bool = False) -> NoReturn:
     # Without exc: the exception being handled, if any, explains more than our own stack.
     exc = exc if exc is not None else sys.exc_info()[1]
     if exc is not None:
         text = "".join(_tb.format_exception(type(exc), exc, exc.__traceback__))
     else:
         text = "".join(_tb.format_stack()[:-2])  # drop exit_*/_exit frames
-    _report_and_exit(reason, code, c, text)
+    _report_and_exit(reason, code, c, text, one_line=one_line)
 
 
-def exit_transient(reason: str, *, exc: BaseException | None = None) -> NoReturn:
-    """Report and exit 134: run me again from my last checkpoint."""
-    _exit(reason, exc, EXIT_TRANSIENT, Classification.TRANSIENT)
+def exit_transient(reason: str, *, exc: BaseException | None = None,
+                   one_line: bool = False) -> NoReturn:
+    """Report and exit 134: run me again from my last checkpoint. ``one_line``: a planned
+    exit, logged as ``"<reason>, exit 134"`` alone (the report still has the stack)."""
+    _exit(reason, exc, EXIT_TRANSIENT, Classification.TRANSIENT, one_line)
 
 
 def exit_permanent(reason: str, *, exc: BaseException | None = None) -> NoReturn:
@@ -371,6 +382,7 @@ def record(fn: _F) -> _F:
         except Exception as exc:  # SystemExit and KeyboardInterrupt pass through
             c = classify_exception(exc)
             text = "".join(_tb.format_exception(type(exc), exc, exc.__traceback__))
-            _report_and_exit(exc, exit_code_for_classification(c), c, text)
+            one_line = bool(getattr(exc, "one_line_exit", False))
+            _report_and_exit(exc, exit_code_for_classification(c), c, text, one_line=one_line)
 
     return wrapper  # type: ignore[return-value]

@@ -13,12 +13,19 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
+import sys
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
+from . import sigterm
 from .errors import record
 from .telemetry import Telemetry
+
+if TYPE_CHECKING:  # torch-heavy: loaded when a training script builds them
+    from .checkpoint.manager import CheckpointOptions
+    from .distributed.group import DistributedOptions
 
 log = logging.getLogger(__name__)
 
@@ -35,29 +42,71 @@ class MainOptions:
     """What ``@rt.main`` sets up. ``checkpoint`` and ``distributed`` take the lower layers'
     own options (CheckpointOptions, DistributedOptions); None means their defaults."""
 
-    checkpoint_dir: str | None = None   # None: AIP_CHECKPOINT_DIR, else ./checkpoints
-    checkpoint: Any = None              # CheckpointOptions
-    distributed: Any = None             # DistributedOptions
+    # A path or fsspec URL; None: AIP_CHECKPOINT_DIR, else ./checkpoints.
+    checkpoint_dir: str | os.PathLike[str] | None = None
+    checkpoint: CheckpointOptions | None = None
+    distributed: DistributedOptions | None = None
     final_save: bool = True             # save the last step when the loop ends
     # SIGTERM (maintenance, preemption): an emergency save at the next step boundary, then
-    # exit 134. Overrides the checkpoint options' own save_on_sigterm.
-    save_on_sigterm: bool = True
+    # exit 134. None: the checkpoint options' save_on_sigterm, and on when that is None too.
+    # Both given and different is an error: one place decides.
+    save_on_sigterm: bool | None = None
+
+    def __post_init__(self) -> None:
+        d = self.checkpoint_dir
+        if d is not None and (not isinstance(d, (str, os.PathLike)) or not os.fspath(d)):
+            raise ValueError(f"MainOptions.checkpoint_dir={d!r}: expected a path or URL "
+                             f"(gs://bucket/run), or None for AIP_CHECKPOINT_DIR, else "
+                             f"./checkpoints")
+        if self.checkpoint is not None:
+            from .checkpoint.manager import CheckpointOptions  # loaded: the caller built one
+
+            if not isinstance(self.checkpoint, CheckpointOptions):
+                raise TypeError(f"MainOptions.checkpoint={self.checkpoint!r}: expected "
+                                f"rt.CheckpointOptions(...), or None for its defaults")
+        if self.distributed is not None:
+            from .distributed.group import DistributedOptions
+
+            if not isinstance(self.distributed, DistributedOptions):
+                raise TypeError(f"MainOptions.distributed={self.distributed!r}: expected "
+                                f"rt.DistributedOptions(...), or None for its defaults")
+        if not isinstance(self.final_save, bool):
+            raise TypeError(f"MainOptions.final_save={self.final_save!r}: expected True or "
+                            f"False")
+        mine = self.save_on_sigterm
+        if mine is not None and not isinstance(mine, bool):
+            raise TypeError(f"MainOptions.save_on_sigterm={mine!r}: expected True, False or "
+                            f"None (the checkpoint options decide)")
+        theirs = self.checkpoint.save_on_sigterm if self.checkpoint is not None else None
+        if mine is not None and theirs is not None and mine != theirs:
+            raise ValueError(
+                f"MainOptions.save_on_sigterm={mine} and "
+                f"MainOptions.checkpoint.save_on_sigterm={theirs} contradict: say it in one "
+                f"place (leave the other None)")
+
+    def checkpoint_options(self) -> CheckpointOptions:
+        """The checkpoint options the manager gets: ``checkpoint`` with save_on_sigterm
+        decided (here, else there, else on)."""
+        from .checkpoint.manager import CheckpointOptions
+
+        base = self.checkpoint or CheckpointOptions()
+        on = self.save_on_sigterm if self.save_on_sigterm is not None else base.save_on_sigterm
+        return replace(base, save_on_sigterm=True if on is None else on)
 
 
 class Context:
     """One life of the training function: who this process is, and its checkpoints."""
 
     def __init__(self, group: Any, options: MainOptions) -> None:
-        from .checkpoint.manager import CheckpointManager, CheckpointOptions
+        from .checkpoint.manager import CheckpointManager
 
         self.group = group
         self.options = options
-        self.checkpoints = CheckpointManager(
-            options.checkpoint_dir,
-            options=replace(options.checkpoint or CheckpointOptions(),
-                            save_on_sigterm=options.save_on_sigterm))
+        self.checkpoints = CheckpointManager(options.checkpoint_dir,
+                                             options=options.checkpoint_options())
         self.step = 0                    # steps done (the restored step before the loop)
         self.restored_step: int | None = None
+        self._loaders: dict[str, Any] = {}   # tracked ResumableLoaders, by name
 
     @property
     def rank(self) -> int:
@@ -83,6 +132,14 @@ class Context:
     def track(self, **objects: Any) -> None:
         """Objects with state_dict/load_state_dict: model, optimizer, scheduler, scaler."""
         self.checkpoints.track(**objects)
+        from .data import ResumableLoader
+
+        for name, obj in objects.items():
+            if isinstance(obj, ResumableLoader):
+                self._loaders[name] = obj
+                obj._follow_steps(self)   # the position at the start of the step in flight
+            else:
+                self._loaders.pop(name, None)
 
     def steps(self, total: int) -> Iterator[int]:
         """Restore the latest checkpoint, then yield the remaining step indices; after each
@@ -95,9 +152,16 @@ class Context:
         mgr, group, tele = self.checkpoints, self.group, _telemetry()
         if tele is not None:
             tele.begin_segment(start)   # the launcher's goodput accounting (telemetry.py)
+        # torch installs its DataLoader SIGCHLD handler with the first multi-process
+        # iterator: from then on a worker's death raises at a batch only (sigterm.py).
+        loading = sys.modules.get("torch.utils.data._utils.signal_handling")
+        deferred = not hasattr(loading, "_SIGCHLD_handler_set") or \
+            sigterm.defer_loader_failures()
         for step in range(start, total):
             yield step
             self.step = done = step + 1
+            if not deferred and loading._SIGCHLD_handler_set:  # type: ignore[union-attr]
+                deferred = sigterm.defer_loader_failures()
             if tele is not None:   # first: an emergency save on SIGTERM exits in maybe_save
                 tele.step(done)
             if mgr.maybe_save(done) and tele is not None:
@@ -110,12 +174,93 @@ class Context:
             mgr.save(self.step)
         mgr.close()
 
+    def _after_loader_death(self, exc: BaseException) -> None:
+        """A DataLoader's worker died (``exc`` says so). With a SIGTERM pending, or arriving
+        within LOADER_SIGTERM_WAIT_S (a SIGTERM to the whole process group stops the
+        workers too, and this process's handler may run a moment after the loader
+        noticed), the run is being stopped: save the last finished step and exit 134.
+        Returns without one: a dead worker is then what it always was (exit 1)."""
+        from .errors import exit_transient
+
+        mgr = self.checkpoints
+        if not mgr.options.save_on_sigterm:
+            return   # no handler of ours: a SIGTERM ends the process by itself
+        undo = sigterm.quiet_loader_failures()   # the other workers' deaths: no second raise
+        if not sigterm.wait(LOADER_SIGTERM_WAIT_S):
+            undo()
+            return
+        what = "SIGTERM: the DataLoader's workers were stopped with this process"
+        if self.world_size > 1:
+            # The ranks save together at a step boundary, and the others are inside
+            # this step (its collectives): no save can be agreed on now.
+            exit_transient(f"{what} in the middle of step {self.step + 1}; no emergency "
+                           f"checkpoint (the {self.world_size} ranks save only together, "
+                           f"at a step boundary): the run resumes from step "
+                           f"{mgr.last_commit_step or 0}", exc=exc, one_line=True)
+        if not _raised_in_data_loading(exc):
+            # torch's handler raised wherever the step was, before it was deferred (the
+            # first step's batch started the workers): perhaps in opt.step(), so the
+            # model need not be at the boundary.
+            exit_transient(f"{what} while step {self.step + 1} ran outside the data "
+                           f"loading, so the state is not at a step boundary; no "
+                           f"emergency checkpoint: the run resumes from step "
+                           f"{mgr.last_commit_step or 0}", exc=exc, one_line=True)
+        if not self.step:
+            exit_transient(f"{what} before the first step finished; nothing to save",
+                           exc=exc, one_line=True)
+        for loader in self._loaders.values():   # undo the unfinished step's batches
+            loader._rewind_to_boundary()
+        if mgr.last_saved_step != self.step:
+            mgr.save(self.step, blocking=True)
+        mgr.close()   # waits for a save of this step still in flight, and retention
+        exit_transient(f"{what}; emergency checkpoint of step {self.step}", exc=exc,
+                       one_line=True)
+
+
+# How long a dead DataLoader worker waits for this process's SIGTERM (a process group's
+# SIGTERM reaches every member at once; our handler runs at the next bytecode).
+LOADER_SIGTERM_WAIT_S = 2.0
+
+_LOADER_DEATH = "DataLoader worker (pid"   # torch: "... exited unexpectedly", "... is killed"
+
+
+def _loader_death(exc: BaseException) -> bool:
+    """Whether ``exc`` (or one it was raised from) is torch's "a DataLoader worker died"."""
+    seen: set[int] = set()
+    e: BaseException | None = exc
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        if isinstance(e, RuntimeError) and str(e).startswith(_LOADER_DEATH):
+            return True
+        e = e.__cause__ or e.__context__
+    return False
+
+
+def _raised_in_data_loading(exc: BaseException) -> bool:
+    """Whether ``exc`` was raised while the step fetched a batch (a DataLoader iterator, or
+    ResumableLoader's check before one): the step had not changed the model yet."""
+    from .data import ResumableLoader
+
+    check = ResumableLoader._epoch.__code__
+    tb = exc.__traceback__
+    while tb is not None:
+        code = tb.tb_frame.f_code
+        if code is check or sigterm.is_data_loading(code):
+            return True
+        tb = tb.tb_next
+    return False
+
 
 def _life(fn: Callable[..., R], group: Any, options: MainOptions, args: tuple[Any, ...],
           kwargs: dict[str, Any]) -> R:
     ctx = Context(group, options)
     with ctx.checkpoints:  # on an error: waits for the save in flight, never raises over it
-        result = fn(ctx, *args, **kwargs)
+        try:
+            result = fn(ctx, *args, **kwargs)
+        except Exception as exc:
+            if _loader_death(exc):
+                ctx._after_loader_death(exc)   # exits 134 when a SIGTERM stops the run
+            raise
         ctx._finish()
     return result
 
@@ -132,14 +277,17 @@ def main(fn: Callable[..., R] | None = None, *,
         def wrapper(*args: Any, **kwargs: Any) -> R:
             from .distributed.group import init_distributed
 
-            group = init_distributed(opts.distributed)
-            try:
-                with group:
-                    return group.run(_life, func, group, opts, args, kwargs)
-            finally:
-                tele = _telemetry()
-                if tele is not None:
-                    tele.close()
+            # SIGTERM before the checkpoint manager exists (forming the group) or between
+            # two lives (re-forming it): the waits for peers leave, with exit 134.
+            with sigterm.noted(bool(opts.checkpoint_options().save_on_sigterm)):
+                group = init_distributed(opts.distributed)
+                try:
+                    with group:
+                        return group.run(_life, func, group, opts, args, kwargs)
+                finally:
+                    tele = _telemetry()
+                    if tele is not None:
+                        tele.close()
 
         return wrapper
 

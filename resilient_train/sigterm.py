@@ -14,30 +14,151 @@ handler writes at once, and then watches the main thread: when it stays in one p
 inside torch for ``stall_s``, it calls ``unblock`` (the group ends its collectives, which
 then raise, and the process exits transient); when it is still stuck ``stall_s`` later, it
 writes a report with every thread's stack and exits with the transient code.
+
+A SIGTERM to the whole process group (``timeout``, ``docker stop`` with an init, Slurm's
+``scancel``) also kills the DataLoader's worker processes, and torch's SIGCHLD handler then
+raises "DataLoader worker ... is killed by signal" in the main thread, at whatever line it
+runs: in the middle of ``opt.step()`` as well, where no consistent state can be saved.
+`defer_loader_failures` (``ctx.steps`` calls it once torch's handler exists, and a SIGTERM
+does) makes it raise only while the main thread is inside the DataLoader (fetching a batch,
+before the step changes anything); elsewhere the failure is kept, and ResumableLoader
+raises it before its next fetch, so the step stops at a batch or reaches its boundary.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import signal
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from types import CodeType, FrameType
 
 logger = logging.getLogger(__name__)
 
 _received = threading.Event()
+_loader_failure: str | None = None   # a DataLoader worker's death, deferred
+
+# torch's SIGCHLD handler (torch/utils/data/_utils/signal_handling.py) and the module whose
+# frames mean "the main thread is fetching a batch".
+_TORCH_SIGCHLD_MODULE = "torch.utils.data._utils.signal_handling"
+_DATALOADER_FILE = os.path.join("torch", "utils", "data", "dataloader.py")
 
 
 def note() -> None:
-    """Record a SIGTERM (called from the Python-level handler)."""
+    """Record a SIGTERM (called from the Python-level handler, so in the main thread)."""
     _received.set()
+    defer_loader_failures()   # from here on, a worker's death raises at a batch only
 
 
 def received() -> bool:
     return _received.is_set()
+
+
+def wait(timeout_s: float) -> bool:
+    """Wait up to ``timeout_s`` for a SIGTERM; True once one was received. The Python handler
+    runs during the wait (a lock wait is interrupted by signals), so this returns as soon as
+    it has run, with no polling."""
+    return _received.wait(timeout_s)
+
+
+def pause(seconds: float) -> None:
+    """Sleep ``seconds``, or less: a SIGTERM ends the pause at once (a retry loop's sleep)."""
+    _received.wait(seconds)
+
+
+def take_loader_failure() -> str | None:
+    """torch's message for a DataLoader worker that died while the main thread was not
+    fetching a batch (deferred: see `defer_loader_failures`), once; else None."""
+    global _loader_failure
+    failure, _loader_failure = _loader_failure, None
+    return failure
+
+
+def is_data_loading(code: CodeType) -> bool:
+    """Whether ``code`` is the DataLoader iterator's (torch/utils/data/dataloader.py)."""
+    return code.co_filename.endswith(_DATALOADER_FILE)
+
+
+def in_data_loading(frame: FrameType | None) -> bool:
+    """Whether ``frame`` (or a caller of it) is inside a DataLoader iterator: the point where
+    a training step fetches its batch, before it changes the model."""
+    while frame is not None:
+        if is_data_loading(frame.f_code):
+            return True
+        frame = frame.f_back
+    return False
+
+
+def defer_loader_failures() -> bool:
+    """Wrap torch's SIGCHLD handler, once a multi-process DataLoader has installed it, so
+    that a worker's death raises only inside the DataLoader (fetching a batch, before the
+    step changes anything) and is kept for `take_loader_failure` elsewhere. Main thread
+    only. False while there is nothing to wrap yet (call again later); True once done, or
+    when the handler is someone else's (left alone)."""
+    if threading.current_thread() is not threading.main_thread():
+        return False   # signal.signal works in the main thread only (the handler runs there)
+    torch_handler = signal.getsignal(signal.SIGCHLD)
+    module = getattr(torch_handler, "__module__", None)
+    if module != _TORCH_SIGCHLD_MODULE:
+        # Wrapped already, or a handler of the program's own (True), or none yet (False).
+        return callable(torch_handler)
+    assert callable(torch_handler)
+
+    def deferring(signum: int, frame: FrameType | None) -> None:
+        global _loader_failure
+        if in_data_loading(frame):
+            torch_handler(signum, frame)   # raises if a worker died: at a safe point
+            return
+        try:
+            torch_handler(signum, frame)   # also chains to the handler torch replaced
+        except RuntimeError as exc:
+            _loader_failure = str(exc)
+
+    signal.signal(signal.SIGCHLD, deferring)
+    return True
+
+
+def quiet_loader_failures() -> Callable[[], None]:
+    """No "DataLoader worker ... is killed" from torch's SIGCHLD handler from now on (main
+    thread only): the first one was caught, and the other workers' deaths must not raise
+    again in the emergency save that follows, nor in the exit after it. Returns the undo."""
+    previous = signal.getsignal(signal.SIGCHLD)
+    # SIG_DFL, not SIG_IGN: ignoring SIGCHLD would reap every child, also the ones that
+    # subprocess and multiprocessing wait for.
+    signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+
+    def undo() -> None:
+        if previous is not None and signal.getsignal(signal.SIGCHLD) == signal.SIG_DFL:
+            signal.signal(signal.SIGCHLD, previous)
+
+    return undo
+
+
+@contextlib.contextmanager
+def noted(enabled: bool = True) -> Iterator[None]:
+    """Note SIGTERM meanwhile (main thread; elsewhere, or not ``enabled``: nothing changes).
+
+    ``@rt.main`` holds this for the whole run: before its checkpoint manager exists (forming
+    the process group) and between two lives (re-forming it), a SIGTERM then makes the waits
+    for peers leave with exit 134 instead of killing the process outright or, under a
+    handler of the previous life, being ignored."""
+    if not enabled or threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def on_sigterm(signum: int, frame: FrameType | None) -> None:
+        note()
+
+    previous = signal.signal(signal.SIGTERM, on_sigterm)
+    try:
+        yield
+    finally:
+        if signal.getsignal(signal.SIGTERM) is on_sigterm:   # not if someone took it over
+            signal.signal(signal.SIGTERM, signal.SIG_DFL if previous is None else previous)
 
 
 class StallGuard:

@@ -165,7 +165,9 @@ class Spy(SavePolicy):
 
 def test_manager_passes_the_measured_blocking_time(tmp_path: Path) -> None:
     spy = Spy(every_n_steps(2), [])
-    with CheckpointManager(tmp_path / "c", options=CheckpointOptions(policy=spy)) as mgr:
+    # max_interval_s=None: mgr.policy is then the spy itself, not spy | every(4 h).
+    with CheckpointManager(tmp_path / "c", options=CheckpointOptions(
+            policy=spy, max_interval_s=None)) as mgr:
         mgr.track(model=torch.nn.Linear(4, 4))
         for step in range(1, 6):
             mgr.maybe_save(step)
@@ -198,8 +200,9 @@ class TwoRanks:
 def test_multi_rank_uses_the_slowest_ranks_cost(tmp_path: Path) -> None:
     spy = Spy(every_n_steps(10**9), [])
     coord = TwoRanks([0, 1, 0, -1, -1])                     # the peer has not saved yet
-    with CheckpointManager(tmp_path / "c", options=CheckpointOptions(policy=spy),
-                           coordinator=coord) as mgr:       # type: ignore[arg-type]
+    with CheckpointManager(tmp_path / "c", options=CheckpointOptions(
+            policy=spy, max_interval_s=None),               # mgr.policy: the spy itself
+            coordinator=coord) as mgr:                      # type: ignore[arg-type]
         spy = mgr.policy                                    # type: ignore[assignment]
         mgr.maybe_save(1)
         assert spy.seen[-1].save_cost_s is None
@@ -248,8 +251,9 @@ def test_the_primarys_observed_mtbf_reaches_every_ranks_policy(
     monkeypatch.setenv(FAILURES_ENV, str(log_file))
     spy = Spy(every_n_steps(10**9), [])
     coord = TwoRanks([0, 1, 0, -1, -1])
-    with CheckpointManager(tmp_path / "c", options=CheckpointOptions(policy=spy),
-                           coordinator=coord) as mgr:       # type: ignore[arg-type]
+    with CheckpointManager(tmp_path / "c", options=CheckpointOptions(
+            policy=spy, max_interval_s=None),               # mgr.policy: the spy itself
+            coordinator=coord) as mgr:                      # type: ignore[arg-type]
         spy = mgr.policy                                    # type: ignore[assignment]
         mgr.maybe_save(1)
         assert spy.seen[-1].mtbf_s is None

@@ -29,7 +29,9 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import io
+import json
 import logging
+import math
 import mmap
 import os
 import pickle
@@ -65,7 +67,7 @@ from .manifest import (
     read_verified,
     step_dirname,
 )
-from .policy import FOUR_HOURS, SaveContext, SavePolicy, default_save_policy
+from .policy import FOUR_HOURS, SaveContext, SavePolicy, check_ceiling, every_n_steps, with_ceiling
 from .retention import CommittedStep, RetentionPolicy, to_delete
 from .sharded import SHARDED_LAYOUT, ShardedCheckpointer
 from .state import (
@@ -105,20 +107,82 @@ def default_directory() -> str:
     return os.environ.get("AIP_CHECKPOINT_DIR") or "checkpoints"
 
 
+def _positive_seconds(value: object) -> bool:
+    return (isinstance(value, (int, float)) and not isinstance(value, bool)
+            and 0 < value < math.inf)
+
+
 @dataclass(frozen=True)
 class CheckpointOptions:
-    save_every_steps: int | None = None
-    max_interval_s: float = FOUR_HOURS      # the platform: at least once every 4 hours
-    policy: SavePolicy | None = None        # overrides the two above; auto_interval()
-                                            # picks the interval that maximizes goodput
+    """When to save, what to keep, how to write. One way to say when: ``save_every_steps=N``
+    is short for ``policy=every_n_steps(N)``; either way the 4-hour ceiling
+    (``max_interval_s``) joins it unless removed by name. Contradictions raise at once."""
+
+    save_every_steps: int | None = None     # short for policy=every_n_steps(N)
+    # The platform: a checkpoint at most 4 hours old, whatever the policy; None: no ceiling.
+    max_interval_s: float | None = FOUR_HOURS
+    policy: SavePolicy | None = None        # the general way; auto_interval() picks the
+                                            # interval that maximizes goodput
     retention: RetentionPolicy = field(default_factory=RetentionPolicy)
     async_save: bool = True
     retry: RetryOptions = field(default_factory=RetryOptions)
     storage_options: Mapping[str, Any] | None = None
     # Multi-rank: how often the ranks agree on the clock (time-based saves, SIGTERM).
     sync_interval_s: float = 1.0
-    save_on_sigterm: bool = False
-    metadata: Mapping[str, Any] = field(default_factory=dict)
+    # None: not said here (the manager alone: off; under @rt.main: MainOptions decides, on).
+    save_on_sigterm: bool | None = None
+    metadata: Mapping[str, Any] = field(default_factory=dict)   # JSON, in every manifest
+
+    def __post_init__(self) -> None:
+        n = self.save_every_steps
+        if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 1):
+            raise ValueError(f"CheckpointOptions.save_every_steps={n!r}: expected a whole "
+                             f"number >= 1, or None (no step-based saves)")
+        if self.policy is not None and not isinstance(self.policy, SavePolicy):
+            raise TypeError(f"CheckpointOptions.policy={self.policy!r}: expected a save "
+                            f"policy such as rt.every_n_steps(1000) or rt.auto_interval()")
+        if n is not None and self.policy is not None:
+            raise ValueError(
+                f"CheckpointOptions: save_every_steps={n} and policy={self.policy!r} both say "
+                f"when to save; give one: policy=rt.every_n_steps({n}) | <your policy> "
+                f"saves at whichever comes first")
+        m = self.max_interval_s
+        if m is not None and not _positive_seconds(m):
+            raise ValueError(f"CheckpointOptions.max_interval_s={m!r}: expected a positive, "
+                             f"finite number of seconds, or None (no ceiling)")
+        if self.policy is not None:
+            check_ceiling(self.policy, m)
+        if not isinstance(self.retention, RetentionPolicy):
+            raise TypeError(f"CheckpointOptions.retention={self.retention!r}: expected "
+                            f"rt.RetentionPolicy(keep_last=...)")
+        if not isinstance(self.retry, RetryOptions):
+            raise TypeError(f"CheckpointOptions.retry={self.retry!r}: expected "
+                            f"rt.RetryOptions(...)")
+        for name in ("async_save", "save_on_sigterm"):
+            value = getattr(self, name)
+            if not isinstance(value, bool) and not (name == "save_on_sigterm" and value is None):
+                raise TypeError(f"CheckpointOptions.{name}={value!r}: expected True or False"
+                                + (" or None" if name == "save_on_sigterm" else ""))
+        if not _positive_seconds(self.sync_interval_s):
+            raise ValueError(f"CheckpointOptions.sync_interval_s={self.sync_interval_s!r}: "
+                             f"expected a positive, finite number of seconds")
+        if self.storage_options is not None and not isinstance(self.storage_options, Mapping):
+            raise TypeError(f"CheckpointOptions.storage_options={self.storage_options!r}: "
+                            f"expected a dict of fsspec options, or None")
+        try:  # here, not at the first save hours from now (manifest.py writes it so)
+            json.dumps(dict(self.metadata), sort_keys=True)
+        except (TypeError, ValueError) as exc:
+            raise ValueError(f"CheckpointOptions.metadata cannot be written into the "
+                             f"manifest as JSON ({exc}): keep to str keys and str, number, "
+                             f"bool, None, list or dict values") from None
+
+    def save_policy(self) -> SavePolicy:
+        """The policy the manager follows: ``policy`` (or every ``save_every_steps``) or
+        ``max_interval_s`` after the last commit, whichever comes first."""
+        given = self.policy
+        if given is None and self.save_every_steps is not None:
+            given = every_n_steps(self.save_every_steps)
+        return with_ceiling(given, self.max_interval_s)
 
 
 @dataclass(frozen=True)
@@ -281,8 +345,9 @@ class CheckpointManager:
                  clock: Callable[[], float] = time.time) -> None:
         self.options = options or CheckpointOptions()
         self.directory = os.fspath(directory) if directory is not None else default_directory()
-        # First, so a SIGTERM that arrives while the ranks still set up is not lost.
-        self._sigterm = False
+        # First, so a SIGTERM that arrives while the ranks still set up is not lost; one
+        # that came before (@rt.main notes it while the group forms) counts too.
+        self._sigterm = bool(self.options.save_on_sigterm) and sigterm.received()
         self._old_sigterm: Any = None
         if self.options.save_on_sigterm:
             self._install_sigterm()
@@ -292,8 +357,7 @@ class CheckpointManager:
         self.rank, self.world_size = self.coord.rank, self.coord.world_size
         self.is_primary = self.rank == 0
         self.clock = clock
-        self.policy = self._agree_on_policy(self.options.policy or default_save_policy(
-            self.options.save_every_steps, self.options.max_interval_s))
+        self.policy = self._agree_on_policy(self.options.save_policy())
         if self.is_primary:
             # Every rank is past the policy broadcast and waits for the token below, so no
             # rank of this run is saving: what temporary saves exist are from crashed runs.
@@ -865,7 +929,8 @@ class CheckpointManager:
             self.coord.allreduce_max([0])
         if self._sigterm:  # only the signalled rank leaves; the others saved with it
             self.close()
-            exit_transient(f"SIGTERM: emergency checkpoint of step {step} committed")
+            exit_transient(f"SIGTERM: emergency checkpoint of step {step} committed",
+                           one_line=True)
 
 
 _SCRATCH_STALE_S = 60.0

@@ -9,6 +9,10 @@ when either says so, ``&`` when both do.
 
 ``auto_interval`` picks the interval from the measured cost of a save and the mean time
 between failures (Young/Daly); ``simulate.py`` evaluates any policy on a simulated job.
+
+The checkpoint options join the platform's 4-hour ceiling to whatever policy is given
+(:func:`with_ceiling`): ``policy | every(max_interval_s)``; :func:`check_ceiling` refuses
+a policy that the ceiling would silently overrule.
 """
 
 from __future__ import annotations
@@ -79,6 +83,8 @@ class every_n_steps(SavePolicy):
     n: int
 
     def __post_init__(self) -> None:
+        if isinstance(self.n, bool) or not isinstance(self.n, int):
+            raise TypeError(f"every_n_steps needs a whole number of steps, found {self.n!r}")
         if self.n < 1:
             raise ValueError(f"every_n_steps needs n >= 1, found {self.n}")
 
@@ -93,7 +99,7 @@ class every(SavePolicy):
     seconds: float = FOUR_HOURS
 
     def __post_init__(self) -> None:
-        if self.seconds <= 0:
+        if not self.seconds > 0:  # NaN too
             raise ValueError(f"every needs a positive interval, found {self.seconds} s")
 
     def should_save(self, ctx: SaveContext) -> bool:
@@ -102,14 +108,70 @@ class every(SavePolicy):
 
 @dataclass(frozen=True)
 class never(SavePolicy):
+    """No automatic saves. Under CheckpointOptions it needs ``max_interval_s=None`` too:
+    the 4-hour ceiling would otherwise still save (see :func:`check_ceiling`)."""
+
     def should_save(self, ctx: SaveContext) -> bool:
         return False
 
 
-def default_save_policy(every_steps: int | None = None, max_interval_s: float = FOUR_HOURS) -> SavePolicy:
+def _nodes(policy: SavePolicy) -> list[SavePolicy]:
+    """``policy`` and every condition it is composed of with ``|`` and ``&``."""
+    out: list[SavePolicy] = []
+    todo = [policy]
+    while todo:
+        p = todo.pop()
+        out.append(p)
+        if isinstance(p, (_Any, _All)):
+            todo += [p.b, p.a]
+    return out
+
+
+def _hours(seconds: float) -> str:
+    return f"{seconds:g} s" if seconds < 3600 else f"{seconds:g} s ({_dur(seconds)})"
+
+
+def check_ceiling(policy: SavePolicy, max_interval_s: float | None) -> None:
+    """Refuse a policy that the ceiling ``max_interval_s`` (None: none) would overrule in
+    silence: ``never()`` (it would still save at the ceiling), ``every(s)`` or
+    ``auto_interval(ceiling_s=s)`` with ``s`` above it (they would save at the ceiling)."""
+    if max_interval_s is None:
+        return
+    ceiling = f"max_interval_s={max_interval_s:g}"   # the field of CheckpointOptions
+    if isinstance(policy, never):
+        raise ValueError(  # noqa: TRY004 - two values that contradict, not a wrong type
+            f"CheckpointOptions: policy=never() contradicts {ceiling} (the ceiling, on by "
+            f"default, saves {_hours(max_interval_s)} after the last commit): for no "
+            f"automatic saves write "
+            f"CheckpointOptions(policy=never(), max_interval_s=None); to save only at the "
+            f"ceiling, drop policy")
+    for node in _nodes(policy):
+        if isinstance(node, every) and node.seconds > max_interval_s:
+            asked, field_ = node.seconds, f"every({node.seconds:g})"
+        elif isinstance(node, auto_interval) and node.ceiling_s > max_interval_s:
+            asked, field_ = node.ceiling_s, f"auto_interval(ceiling_s={node.ceiling_s:g})"
+        else:
+            continue
+        raise ValueError(
+            f"CheckpointOptions: policy={field_} contradicts {ceiling}: the ceiling would "
+            f"save {_hours(max_interval_s)} after the last commit, before the "
+            f"{_hours(asked)} the policy asks for; to save less often, raise the ceiling "
+            f"by name (max_interval_s={asked:g}, or None for no ceiling)")
+
+
+def with_ceiling(policy: SavePolicy | None, max_interval_s: float | None) -> SavePolicy:
+    """``policy``, and a save at most ``max_interval_s`` after the last commit (the
+    platform's 4 hours) whatever the policy says; None: no ceiling. The policy is asked
+    first, on every step: a stateful one (auto_interval) sees every step."""
+    if max_interval_s is None:
+        return policy if policy is not None else never()
+    return every(max_interval_s) if policy is None else policy | every(max_interval_s)
+
+
+def default_save_policy(every_steps: int | None = None,
+                        max_interval_s: float | None = FOUR_HOURS) -> SavePolicy:
     """Every N steps (when given) or at most ``max_interval_s`` after the last commit."""
-    timed: SavePolicy = every(max_interval_s)
-    return every_n_steps(every_steps) | timed if every_steps else timed
+    return with_ceiling(every_n_steps(every_steps) if every_steps else None, max_interval_s)
 
 
 # --- auto: the interval that maximizes goodput ------------------------------------------
@@ -175,7 +237,8 @@ class auto_interval(SavePolicy):
     blocks the training loop (async saves block only for the snapshot, plus any wait for
     the previous save; the manager measures it and passes it as ``SaveContext.save_cost_s``)
     and ``M`` = the mean time between failures (:func:`resolve_mtbf`), bounded to
-    ``[floor_s, ceiling_s]`` (the ceiling is the platform's 4 hours). Before a save has been
+    ``[floor_s, ceiling_s]`` (the ceiling is the platform's 4 hours; CheckpointOptions
+    refuses a ``ceiling_s`` above its ``max_interval_s``). Before a save has been
     measured it saves after ``floor_s``: that first save measures the cost. Logs one line
     (INFO) whenever the interval changes by more than 10 %::
 

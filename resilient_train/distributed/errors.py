@@ -38,6 +38,8 @@ class StopRequestedError(TransientError):
     barrier): it leaves instead of waiting for peers that are being stopped too, so the
     grace period is not spent waiting. Transient: the platform restarts or retries."""
 
+    one_line_exit = True   # being stopped is no crash: one line, no traceback in the log
+
 
 class DistributedConfigError(PermanentError, ValueError):
     """A setting that can never work (bad backend, rank outside the world...)."""

@@ -63,6 +63,18 @@ def _ms(seconds: float) -> datetime.timedelta:
     return datetime.timedelta(seconds=max(0.001, seconds))
 
 
+def _leave_if_stopped(waiting_for: str) -> None:
+    """A SIGTERM while waiting for a peer: its peers are being stopped too, so leave now
+    (exit 134) instead of waiting for them until the grace period's SIGKILL."""
+    if sigterm.received():
+        raise StopRequestedError(f"SIGTERM while waiting for {waiting_for}; leaving")
+
+
+def _first_line(exc: BaseException | None) -> str:
+    text = f"{type(exc).__name__}: {exc}" if exc is not None else "no answer"
+    return text.strip().splitlines()[0][:200]
+
+
 def describe_ranks(ranks: Sequence[int], name_of: Callable[[int], str]) -> str:
     shown = [f"rank {r} ({name_of(r)})" for r in ranks[:8]]
     more = f" and {len(ranks) - 8} more" if len(ranks) > 8 else ""
@@ -139,7 +151,12 @@ class Rendezvous:
 
         def log_progress(state: RetryCallState) -> None:
             nonlocal last_log
+            _leave_if_stopped(f"{what} at {self.host}:{self.port} to accept connections")
             now = time.monotonic()
+            if state.attempt_number == 1:
+                exc = state.outcome.exception() if state.outcome else None
+                logger.info("waiting for %s at %s:%d (%s), up to %.0f s", what, self.host,
+                            self.port, _first_line(exc), self.join_timeout_s)
             if now - last_log >= PROGRESS_EVERY_S:
                 last_log = now
                 logger.warning("waiting for %s at %s:%d, %.0f s of %.0f s", what, self.host,
@@ -149,7 +166,8 @@ class Rendezvous:
             retry=retry_if_exception_type((RuntimeError, OSError)),  # DistNetwork/StoreError
             wait=wait_random_exponential(multiplier=0.05, max=0.5),  # full jitter
             stop=stop_after_delay(max(0.0, deadline - start)),
-            before_sleep=log_progress, reraise=True)
+            # A SIGTERM ends the pause at once (its handler runs during the wait).
+            sleep=sigterm.pause, before_sleep=log_progress, reraise=True)
         try:
             retrying(self._connect_once, deadline, what)
         except (RuntimeError, OSError) as exc:
@@ -184,6 +202,7 @@ class Rendezvous:
     def _connect_once(self, deadline: float, what: str) -> None:
         import torch.distributed as dist
 
+        _leave_if_stopped(f"{what} at {self.host}:{self.port} to accept connections")
         kwargs: dict[str, Any] = {"resolver": self.resolver} if self.resolver else {}
         address = resolve(self.host, self.port, what=what,
                           deadline_s=max(0.0, deadline - time.monotonic()), **kwargs)

@@ -22,7 +22,8 @@ from tenacity import (
     wait_random_exponential,
 )
 
-from .errors import PrimaryUnreachableError
+from .. import sigterm
+from .errors import PrimaryUnreachableError, StopRequestedError
 
 logger = logging.getLogger(__name__)
 
@@ -48,6 +49,9 @@ def resolve(
     last_log = [start]
 
     def log_progress(state: RetryCallState) -> None:
+        if sigterm.received():   # the peers are being stopped too: leave (exit 134)
+            raise StopRequestedError(f"SIGTERM while waiting for {what}'s address {host!r} "
+                                     f"to resolve; leaving")
         now = time.monotonic()
         if now - last_log[0] >= progress_every_s:
             last_log[0] = now
@@ -59,6 +63,7 @@ def resolve(
         retry=retry_if_exception_type(OSError),  # socket.gaierror is an OSError
         wait=wait_random_exponential(multiplier=0.05, max=max_wait_s),
         stop=stop_after_delay(deadline_s),
+        sleep=sigterm.pause,   # a SIGTERM ends the pause at once
         before_sleep=log_progress,
         reraise=True,
     )

@@ -126,7 +126,8 @@ def full_disk(ckpt: str, coord: Coordinator) -> dict[str, Any]:
     from resilient_train.checkpoint.storage import Storage
 
     model, wrapped, opt = ddp_model(0)
-    mgr = CheckpointManager(ckpt, options=CheckpointOptions(policy=never(), async_save=False),
+    mgr = CheckpointManager(ckpt, options=CheckpointOptions(policy=never(), max_interval_s=None,
+                                                            async_save=False),
                             coordinator=coord)
     mgr.track(model=model, optimizer=opt)
     train_step(wrapped, opt)
@@ -162,7 +163,8 @@ def full_disk(ckpt: str, coord: Coordinator) -> dict[str, Any]:
 def replicated_restore(ckpt: str, coord: Coordinator) -> dict[str, Any]:
     model, _wrapped, opt = ddp_model(7)  # different weights: the restore must replace them
     seed_all(999)
-    mgr = CheckpointManager(ckpt, options=CheckpointOptions(policy=never()), coordinator=coord)
+    mgr = CheckpointManager(ckpt, options=CheckpointOptions(policy=never(), max_interval_s=None),
+                            coordinator=coord)
     mgr.track(model=model, optimizer=opt)
     step = mgr.restore_latest()
     out = {"step": step, "weights": params(model), "values": dict(mgr.values),
@@ -246,7 +248,7 @@ def auto_saves(ckpt: str, coord: Coordinator) -> dict[str, Any]:
 def sigterm(ckpt: str, coord: Coordinator) -> dict[str, Any]:
     model, wrapped, opt = ddp_model(0)
     mgr = CheckpointManager(
-        ckpt, options=CheckpointOptions(policy=never(), save_on_sigterm=True,
+        ckpt, options=CheckpointOptions(policy=never(), max_interval_s=None, save_on_sigterm=True,
                                         sync_interval_s=0.05),
         coordinator=coord)
     mgr.track(model=model, optimizer=opt)
@@ -359,7 +361,8 @@ def sharded_restore(ckpt: str, coord: Coordinator) -> dict[str, Any]:
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
     aux = {"table": table(model, torch.zeros(8))}
     seed_all(999)
-    mgr = CheckpointManager(ckpt, options=CheckpointOptions(policy=never()), coordinator=coord)
+    mgr = CheckpointManager(ckpt, options=CheckpointOptions(policy=never(), max_interval_s=None),
+                            coordinator=coord)
     mgr.track(model=model, optimizer=opt, sched=sched, aux=aux)
     step = mgr.restore_latest()
     out = {"step": step, **full_state(model, opt), "values": dict(mgr.values),
@@ -389,7 +392,8 @@ def sharded_gcs(ckpt: str, coord: Coordinator) -> dict[str, Any]:
             saved = full_state(model, opt)
     mgr.close()
     model, opt = fsdp_mlp(7)
-    mgr = CheckpointManager(ckpt, options=dataclasses.replace(options, policy=never()),
+    mgr = CheckpointManager(ckpt, options=dataclasses.replace(options, policy=never(),
+                                                                max_interval_s=None),
                             coordinator=coord)
     mgr.track(model=model, optimizer=opt)
     restored_step = mgr.restore_latest()

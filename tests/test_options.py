@@ -1,0 +1,275 @@
+"""CheckpointOptions and MainOptions: one way to say when to save, the 4-hour ceiling under
+every policy unless removed by name, and a clear error for options that contradict."""
+
+from __future__ import annotations
+
+import math
+import signal
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import resilient_train as rt
+from resilient_train.checkpoint.manager import CheckpointManager, CheckpointOptions, scan
+from resilient_train.checkpoint.policy import (
+    FOUR_HOURS,
+    SaveContext,
+    SavePolicy,
+    auto_interval,
+    every,
+    every_n_steps,
+    never,
+)
+from resilient_train.checkpoint.retention import RetentionPolicy
+from resilient_train.runtime import Context, MainOptions
+
+
+def ctx(step: int, now: float, last_step: int | None = None, last_time: float = 0.0
+        ) -> SaveContext:
+    return SaveContext(step, now, last_step, last_time)
+
+
+class OnlyAtEpochEnd(SavePolicy):
+    """A user's own policy that, on its own, would not save within these tests."""
+
+    def should_save(self, ctx: SaveContext) -> bool:
+        return ctx.step % 10**9 == 0
+
+
+# --- one way to say when to save -------------------------------------------------------
+
+def test_save_every_steps_and_policy_together_is_an_error() -> None:
+    with pytest.raises(ValueError) as info:
+        CheckpointOptions(save_every_steps=500, policy=every(3600))
+    msg = str(info.value)
+    assert "save_every_steps=500" in msg and "policy=every(seconds=3600)" in msg
+    assert "policy=rt.every_n_steps(500) |" in msg             # the fix
+
+
+@pytest.mark.parametrize(("field", "value", "fix"), [
+    ("save_every_steps", 0, ">= 1, or None"),
+    ("save_every_steps", -5, ">= 1, or None"),
+    ("save_every_steps", 2.5, "whole number"),
+    ("save_every_steps", True, "whole number"),
+    ("max_interval_s", 0, "or None (no ceiling)"),
+    ("max_interval_s", -1.0, "or None (no ceiling)"),
+    ("max_interval_s", math.inf, "or None (no ceiling)"),
+    ("max_interval_s", math.nan, "or None (no ceiling)"),
+    ("max_interval_s", "4h", "or None (no ceiling)"),
+    ("sync_interval_s", 0, "positive, finite"),
+    ("policy", 500, "rt.every_n_steps(1000)"),
+    ("retention", 3, "rt.RetentionPolicy(keep_last=...)"),
+    ("retry", {"deadline_s": 5}, "rt.RetryOptions(...)"),
+    ("async_save", "no", "True or False"),
+    ("save_on_sigterm", "no", "True or False or None"),
+    ("storage_options", "anon", "dict of fsspec options"),
+])
+def test_a_bad_value_names_the_field_the_value_and_the_fix(field: str, value: Any,
+                                                           fix: str) -> None:
+    with pytest.raises((ValueError, TypeError)) as info:
+        CheckpointOptions(**{field: value})
+    msg = str(info.value)
+    assert f"CheckpointOptions.{field}={value!r}" in msg and fix in msg
+
+
+def test_metadata_that_the_manifest_cannot_hold_fails_at_once() -> None:
+    with pytest.raises(ValueError, match="metadata cannot be written into the manifest"):
+        CheckpointOptions(metadata={"run": object()})
+    with pytest.raises(ValueError, match="str keys"):
+        CheckpointOptions(metadata={1: "a", "b": 2})  # type: ignore[dict-item]  # mixed keys
+    CheckpointOptions(metadata={"run": "a", "lr": 1e-3, "tags": ["x"]})
+
+
+def test_replace_validates_again() -> None:
+    base = CheckpointOptions(save_every_steps=100)
+    with pytest.raises(ValueError, match="give one"):
+        replace(base, policy=every(60))
+    assert replace(base, save_every_steps=None, policy=every(60)).policy == every(60)
+
+
+# --- the 4-hour ceiling -------------------------------------------------------------------
+
+def test_the_ceiling_holds_under_a_users_policy() -> None:
+    p = CheckpointOptions(policy=OnlyAtEpochEnd()).save_policy()
+    assert not p.should_save(ctx(7, now=FOUR_HOURS - 1))
+    assert p.should_save(ctx(7, now=FOUR_HOURS))                 # 4 h after the last commit
+    assert not p.should_save(ctx(7, now=FOUR_HOURS, last_step=7))
+    assert p.should_save(ctx(9, now=2 * FOUR_HOURS, last_step=8, last_time=FOUR_HOURS))
+    steps = CheckpointOptions(policy=every_n_steps(10**6)).save_policy()
+    assert steps.should_save(ctx(3, now=FOUR_HOURS))
+
+
+def test_the_ceiling_holds_under_save_every_steps_and_by_default() -> None:
+    p = CheckpointOptions(save_every_steps=500).save_policy()
+    assert p.should_save(ctx(500, now=1)) and p.should_save(ctx(3, now=FOUR_HOURS))
+    assert not p.should_save(ctx(3, now=FOUR_HOURS - 1))
+    default = CheckpointOptions().save_policy()
+    assert not default.should_save(ctx(10**6, now=FOUR_HOURS - 1))
+    assert default.should_save(ctx(3, now=FOUR_HOURS))
+
+
+def test_a_lower_ceiling_by_name() -> None:
+    p = CheckpointOptions(policy=OnlyAtEpochEnd(), max_interval_s=600).save_policy()
+    assert not p.should_save(ctx(3, now=599)) and p.should_save(ctx(3, now=600))
+
+
+def test_removing_the_ceiling_by_name() -> None:
+    user = OnlyAtEpochEnd()
+    p = CheckpointOptions(policy=user, max_interval_s=None).save_policy()
+    assert p is user                                              # nothing joined to it
+    assert not p.should_save(ctx(3, now=100 * FOUR_HOURS))
+    bare = CheckpointOptions(max_interval_s=None).save_policy()   # no condition at all
+    assert bare == never() and not bare.should_save(ctx(3, now=100 * FOUR_HOURS))
+
+
+def test_the_manager_saves_at_the_ceiling_under_a_users_policy(tmp_path: Path) -> None:
+    t = [1000.0]
+    opts = CheckpointOptions(policy=every_n_steps(10**6), async_save=False)
+    with CheckpointManager(tmp_path / "c", options=opts, clock=lambda: t[0]) as mgr:
+        mgr.track(model=torch.nn.Linear(2, 2))
+        assert not mgr.maybe_save(1)
+        t[0] += FOUR_HOURS - 1
+        assert not mgr.maybe_save(2)
+        t[0] += 1
+        assert mgr.maybe_save(3)                                  # 4 h: due whatever the policy
+        assert not mgr.maybe_save(4)                              # the clock restarts
+    assert [s.step for s in scan(mgr.storage) if s.ok] == [3]
+
+    t = [1000.0]
+    opts = replace(opts, max_interval_s=None)
+    with CheckpointManager(tmp_path / "d", options=opts, clock=lambda: t[0]) as mgr:
+        mgr.track(model=torch.nn.Linear(2, 2))
+        t[0] += 100 * FOUR_HOURS
+        assert not mgr.maybe_save(1)                              # the ceiling removed by name
+    assert scan(mgr.storage) == []
+
+
+def test_never_with_the_default_ceiling_is_an_error() -> None:
+    with pytest.raises(ValueError) as info:
+        CheckpointOptions(policy=never())
+    msg = str(info.value)
+    assert "policy=never()" in msg and "max_interval_s=14400" in msg
+    assert "CheckpointOptions(policy=never(), max_interval_s=None)" in msg   # the fix
+    p = CheckpointOptions(policy=never(), max_interval_s=None).save_policy()
+    assert not p.should_save(ctx(10**6, now=100 * FOUR_HOURS))
+    # never() inside a composition is only a part of the policy: no contradiction.
+    assert CheckpointOptions(policy=never() | every_n_steps(5)).save_policy().should_save(
+        ctx(3, now=FOUR_HOURS))
+
+
+def test_a_policy_slower_than_the_ceiling_is_an_error() -> None:
+    with pytest.raises(ValueError) as info:
+        CheckpointOptions(policy=every_n_steps(100) | every(6 * 3600))
+    msg = str(info.value)
+    assert "every(21600)" in msg and "max_interval_s=14400" in msg
+    assert "max_interval_s=21600, or None" in msg                     # the fix
+    with pytest.raises(ValueError, match="every\\(21600\\) contradicts"):
+        CheckpointOptions(policy=every_n_steps(2) & every(6 * 3600))
+    p = CheckpointOptions(policy=every(6 * 3600), max_interval_s=6 * 3600).save_policy()
+    assert not p.should_save(ctx(3, now=FOUR_HOURS)) and p.should_save(ctx(3, now=6 * 3600))
+    CheckpointOptions(policy=every(FOUR_HOURS))                       # equal: no conflict
+
+
+def test_auto_interval_and_the_ceiling() -> None:
+    # auto_interval's own ceiling is the same 4 h: fine, and the options' ceiling holds.
+    p = CheckpointOptions(policy=auto_interval(10**9)).save_policy()
+    assert p.should_save(ctx(3, now=FOUR_HOURS))
+    with pytest.raises(ValueError) as info:
+        CheckpointOptions(policy=auto_interval(10**9, ceiling_s=8 * 3600))
+    assert "auto_interval(ceiling_s=28800)" in str(info.value)
+    assert "max_interval_s=28800, or None" in str(info.value)
+    lifted = CheckpointOptions(policy=auto_interval(10**9, ceiling_s=8 * 3600),
+                               max_interval_s=None).save_policy()
+    assert not lifted.should_save(SaveContext(3, FOUR_HOURS, None, 0.0, 1.0))
+    assert lifted.should_save(SaveContext(3, 8 * 3600, None, 0.0, 1.0))
+    CheckpointOptions(policy=auto_interval(ceiling_s=3600))           # lower: no conflict
+
+
+def test_defaults_are_kept() -> None:
+    o = CheckpointOptions()
+    assert (o.save_every_steps, o.max_interval_s, o.policy) == (None, FOUR_HOURS, None)
+    assert o.retention == RetentionPolicy() and o.retention.keep_last == 3
+    assert o.async_save and o.save_on_sigterm is None and o.sync_interval_s == 1.0
+    m = MainOptions()
+    assert m.final_save and m.save_on_sigterm is None and m.checkpoint is None
+
+
+# --- SIGTERM: one place decides -----------------------------------------------------------
+
+@pytest.mark.parametrize(("main", "ckpt", "expected"), [
+    (None, None, True),         # @rt.main's default
+    (False, None, False),       # said in MainOptions only (as before)
+    (True, None, True),
+    (None, False, False),       # said in CheckpointOptions only: no longer overridden
+    (None, True, True),
+    (True, True, True),         # said twice, the same way: fine
+    (False, False, False),
+])
+def test_save_on_sigterm_is_decided_in_one_place(main: bool | None, ckpt: bool | None,
+                                                 expected: bool) -> None:
+    opts = MainOptions(save_on_sigterm=main, checkpoint=CheckpointOptions(save_on_sigterm=ckpt))
+    assert opts.checkpoint_options().save_on_sigterm is expected
+
+
+@pytest.mark.parametrize(("main", "ckpt"), [(True, False), (False, True)])
+def test_save_on_sigterm_said_twice_differently_is_an_error(main: bool, ckpt: bool) -> None:
+    with pytest.raises(ValueError) as info:
+        MainOptions(save_on_sigterm=main, checkpoint=CheckpointOptions(save_on_sigterm=ckpt))
+    msg = str(info.value)
+    assert f"MainOptions.save_on_sigterm={main}" in msg
+    assert f"MainOptions.checkpoint.save_on_sigterm={ckpt}" in msg and "leave the other None" in msg
+
+
+class Group:
+    rank, world_size, is_primary, device = 0, 1, True, torch.device("cpu")
+
+
+@pytest.mark.parametrize(("opts", "installed"), [
+    (MainOptions(), True),
+    (MainOptions(checkpoint=CheckpointOptions(save_on_sigterm=False)), False),
+    (MainOptions(save_on_sigterm=False), False),
+])
+def test_the_context_installs_the_sigterm_handler_as_decided(
+        tmp_path: Path, opts: MainOptions, installed: bool) -> None:
+    before = signal.getsignal(signal.SIGTERM)
+    context = Context(Group(), replace(opts, checkpoint_dir=str(tmp_path)))
+    try:
+        assert context.checkpoints.options.save_on_sigterm is installed
+        assert (signal.getsignal(signal.SIGTERM) is not before) is installed
+    finally:
+        context.checkpoints.close()
+    assert signal.getsignal(signal.SIGTERM) is before
+
+
+def test_a_standalone_manager_leaves_sigterm_alone(tmp_path: Path) -> None:
+    before = signal.getsignal(signal.SIGTERM)
+    with CheckpointManager(tmp_path) as mgr:
+        assert not mgr.options.save_on_sigterm
+        assert signal.getsignal(signal.SIGTERM) is before
+
+
+# --- MainOptions' other fields ------------------------------------------------------------
+
+@pytest.mark.parametrize(("kwargs", "fix"), [
+    ({"checkpoint": {"save_every_steps": 5}}, "expected rt.CheckpointOptions(...)"),
+    ({"distributed": CheckpointOptions()}, "expected rt.DistributedOptions(...)"),
+    ({"checkpoint_dir": ""}, "expected a path or URL"),
+    ({"checkpoint_dir": 3}, "expected a path or URL"),
+    ({"final_save": "yes"}, "True or False"),
+    ({"save_on_sigterm": 1}, "True, False or None"),
+])
+def test_main_options_refuse_a_bad_value(kwargs: dict[str, Any], fix: str) -> None:
+    with pytest.raises((ValueError, TypeError)) as info:
+        MainOptions(**kwargs)
+    (name, value), = kwargs.items()
+    assert f"MainOptions.{name}={value!r}" in str(info.value) and fix in str(info.value)
+
+
+def test_main_options_accept_what_they_document(tmp_path: Path) -> None:
+    MainOptions(checkpoint_dir=tmp_path, checkpoint=CheckpointOptions(),
+                distributed=rt.DistributedOptions(), final_save=False)
+    assert MainOptions(checkpoint_dir="gs://bucket/run").checkpoint_options() == replace(
+        CheckpointOptions(), save_on_sigterm=True)
