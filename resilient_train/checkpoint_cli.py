@@ -7,6 +7,7 @@ import dataclasses
 import datetime
 import json
 import sys
+from pathlib import Path
 from typing import Any
 
 from .checkpoint.manager import (
@@ -19,6 +20,7 @@ from .checkpoint.manager import (
 )
 from .checkpoint.retention import RetentionPolicy
 from .checkpoint.storage import Storage, StorageError
+from .launcher.record import JOB_FILE
 
 EXIT_OK, EXIT_PROBLEMS, EXIT_USAGE = 0, 1, 2
 
@@ -66,9 +68,26 @@ def _structurally_checked(storage: Storage, info: StepInfo) -> StepInfo:
     return dataclasses.replace(info, problems=tuple(problems)) if problems else info
 
 
+def _checkpoint_dir(directory: str) -> str:
+    """A launcher job's directory (it holds job.json) stands for its checkpoints: the
+    AIP_CHECKPOINT_DIR its replicas were given, BASE_OUTPUT_DIRECTORY/checkpoints."""
+    if "://" in directory:
+        return directory
+    record = Path(directory) / JOB_FILE
+    if not record.is_file():
+        return directory
+    try:
+        base = json.loads(record.read_text())["job_spec"]["base_output_directory"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return directory
+    found = f"{str(base).rstrip('/')}/checkpoints"
+    print(f"job {directory}: its checkpoints are in {found}", file=sys.stderr)
+    return found
+
+
 def run_checkpoints(args: argparse.Namespace) -> int:
     try:
-        storage = Storage(args.directory)
+        storage = Storage(_checkpoint_dir(args.directory))
         storage.check_readable()   # "no checkpoints" must mean that, not a typo in the path
         infos = scan(storage)
         if args.action == "list":

@@ -16,7 +16,7 @@ from typing import Any
 
 from .launcher.chaos import ChaosSpecError, load_chaos, parse_duration
 from .launcher.jobspec import JobSpec, JobSpecError, load_job_spec
-from .launcher.messages import STATUS_INTERNAL, JobState
+from .launcher.messages import STATUS_FAULT_NOT_FIRED, STATUS_INTERNAL, JobState
 from .launcher.policy import (
     PolicyError,
     Strategy,
@@ -25,6 +25,7 @@ from .launcher.policy import (
     with_platform_defaults,
     without_retries,
 )
+from .launcher.programs import PoolProgram, plan_pools
 from .launcher.record import read_job
 from .launcher.resources import detect_gpus, memory_limit_for, parse_memory
 from .launcher.runner import Launcher, LaunchError, LaunchOptions, launcher_alive
@@ -42,7 +43,8 @@ _JOB_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
 EPILOG = """\
 exit status: 0 when the job SUCCEEDED; otherwise the root cause's exit code (a worker's
 status, 128+N for death by signal N), 137 out of memory, 69 stockout, 70 internal error,
-124 timeout, 130 cancelled, 2 bad usage.
+124 timeout, 130 cancelled, 2 bad usage; 78 when the job SUCCEEDED but a --chaos fault set
+at a fixed time or step never fired (the test did not happen).
 """
 
 
@@ -91,7 +93,8 @@ def _parser() -> argparse.ArgumentParser:
                     "here win, and a command after -- replaces the spec's")
     lp.add_argument("--workers", type=int, help="replicas: the primary + N-1 workers (default 1)")
     lp.add_argument("--pool", action="append", type=_pool, default=[], metavar="POOL=COUNT",
-                    help="explicit worker pool, e.g. --pool workerpool0=1 --pool workerpool1=3")
+                    help="explicit worker pool, e.g. --pool workerpool0=1 --pool workerpool1=3; "
+                    "with --job-spec it sets that pool's replicas (0 leaves the pool out)")
     lp.add_argument("--name", help="job name (default rt-DATE-TIME-XXXX)")
     lp.add_argument("--job-dir", type=Path, help="job directory (default ./rt-jobs/NAME)")
     lp.add_argument("--output-dir", help="base output directory for AIP_* (local or gs://; "
@@ -124,11 +127,15 @@ def _parser() -> argparse.ArgumentParser:
     lp.add_argument("--region", default="local", help="region named in stockout messages")
     lp.add_argument("--seed", type=int, default=0, help="seed for start jitter")
     lp.add_argument("--quiet", action="store_true", help="do not echo worker output")
+    lp.add_argument("--shared-workdir", action="store_true",
+                    help="run every replica in this working directory (default: each in a "
+                    "view of its own, where what it writes is its own, as on its own VM)")
     lp.add_argument("command", nargs=argparse.REMAINDER)
 
     cp = sub.add_parser("checkpoints", help="list, verify or prune a checkpoint directory")
     cp.add_argument("action", choices=["list", "verify", "prune"])
-    cp.add_argument("directory", help="local path, gs://bucket/prefix, or any fsspec URL")
+    cp.add_argument("directory", help="local path, gs://bucket/prefix, any fsspec URL, or a "
+                    "launcher job directory (JOB_DIR: its output/checkpoints)")
     cp.add_argument("--step", type=int, help="verify: only this step")
     cp.add_argument("--keep-last", type=int, default=3, help="prune: committed steps to keep")
     cp.add_argument("--milestone-every-steps", type=int, help="prune: also keep these steps")
@@ -188,10 +195,19 @@ def _launch(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
               f"and the job record says FAILED", file=sys.stderr)
         status = STATUS_INTERNAL
     record = launcher.machine
-    line = f"job {options.job_name}: {record.state.value}"
+    # The final state is the last event line above; the error's whole message (the
+    # events show its first line) follows it once.
     if record.error is not None:
-        line += f": {record.error.message}"
-    print(line, flush=True)
+        print(f"error {record.error.code}: {record.error.message}", flush=True)
+    unfired = launcher.unfired_faults()
+    for fault in unfired:
+        print(f"chaos: {fault.spec} never fired: {fault.why}"
+              + (f" ({fault.fired} of {fault.count} fired)" if fault.random and fault.count
+                 else ""), flush=True)
+    if status == STATUS_FAULT_NOT_FIRED:
+        print(f"the job succeeded, but {sum(not f.random for f in unfired)} of its faults "
+              f"never fired: the resilience test did not happen (exit status "
+              f"{STATUS_FAULT_NOT_FIRED})", flush=True)
     print(f"job record: {options.job_dir / 'job.json'} (exit status {status})", flush=True)
     return status
 
@@ -201,30 +217,21 @@ def _options(args: argparse.Namespace, command: tuple[str, ...],
     """The launch options, and the notes to print about what the job spec decided.
 
     An option given on the command line beats the job spec, which beats the default; a
-    command after -- replaces the spec's."""
+    command after -- replaces the spec's (programs.plan_pools has the details)."""
     notes: list[str] = []
     if spec is not None:
         notes += spec.notes_for("fields")
-    if not command:
-        if spec is None or spec.command is None:
-            raise JobSpecError(
-                f"job spec {args.job_spec}: workerPoolSpecs[0] has no command: locally no image "
-                f"is run, so its ENTRYPOINT is unknown; add command: [python, train.py] (and "
-                f"args) to the pool's containerSpec, or give the command after --")
-        command = spec.command
-        notes += spec.notes_for("command")
     if args.workers is not None and args.pool:
         raise LaunchError("give either --workers or --pool, not both")
-    if args.pool:
+    if len({p for p, _ in args.pool}) != len(args.pool):
+        raise LaunchError("each --pool may be given once")
+    if args.workers is not None and args.workers < 1:
+        raise LaunchError(f"--workers must be at least 1, found {args.workers}")
+    pools: tuple[tuple[str, int], ...] = ()   # with a spec: its plan's, below
+    if spec is None and args.pool:
         pools = tuple(args.pool)
-        if len({p for p, _ in pools}) != len(pools):
-            raise LaunchError("each --pool may be given once")
-    elif args.workers is None and spec is not None:
-        pools = spec.pools
-    else:
+    elif spec is None:
         workers = 1 if args.workers is None else args.workers
-        if workers < 1:
-            raise LaunchError(f"--workers must be at least 1, found {workers}")
         pools = (("workerpool0", 1),) + ((("workerpool1", workers - 1),) if workers > 1 else ())
     name = args.name or _job_name(spec.display_name if spec is not None else None)
     if not _JOB_NAME.fullmatch(name):
@@ -238,12 +245,21 @@ def _options(args: argparse.Namespace, command: tuple[str, ...],
         if memory is not None:
             raise LaunchError("give either --memory-limit or --machine-type, not both")
         memory = memory_limit_for(args.machine_type)
-    elif memory is None and spec is not None:
-        memory = spec.memory_limit
-        notes += spec.notes_for("memory")
     gpus = args.gpus_per_worker
-    if gpus is None:
-        gpus = _spec_gpus(spec, sum(n for _, n in pools), notes) if spec is not None else 0
+    programs: tuple[PoolProgram, ...] = ()
+    listed_only: tuple[tuple[str, int], ...] = ()
+    if spec is not None:
+        if memory is None:
+            notes += spec.notes_for("memory")
+        plan = plan_pools(spec, source=str(args.job_spec), command=command or None,
+                          counts=dict(args.pool), workers=args.workers, memory_limit=memory,
+                          gpus_per_replica=gpus, gpus_available=len(detect_gpus(os.environ)))
+        pools, listed_only, programs = plan.pools, plan.listed_only, plan.programs
+        notes += spec.notes_for("command", "env") + list(plan.notes)
+        primary = plan.programs[0]
+        command, memory, gpus = primary.command, primary.memory_limit, primary.gpus_per_replica
+    elif gpus is None:
+        gpus = 0
     strategy = Strategy(args.strategy) if args.strategy else (
         spec.strategy if spec is not None and spec.strategy is not None else Strategy.STANDARD)
     disable_retries = _given(args.disable_retries,
@@ -258,12 +274,9 @@ def _options(args: argparse.Namespace, command: tuple[str, ...],
                           f"strategy is {strategy.value}); add --strategy flex-start or drop it")
     output_dir = args.output_dir
     env = dict(os.environ)
-    if spec is not None:
-        if output_dir is None and spec.output_dir is not None:
-            output_dir = spec.output_dir
-            notes += spec.notes_for("output")
-        env.update(spec.env)
-        notes += spec.notes_for("env")
+    if spec is not None and output_dir is None and spec.output_dir is not None:
+        output_dir = spec.output_dir
+        notes += spec.notes_for("output")
     policy = (with_platform_defaults(load_policy(args.policy), strategy) if args.policy
               else default_policy(strategy))
     if disable_retries:
@@ -289,6 +302,9 @@ def _options(args: argparse.Namespace, command: tuple[str, ...],
         region=args.region,
         seed=args.seed,
         env=env,
+        programs=programs,
+        listed_only=listed_only,
+        shared_workdir=args.shared_workdir,
     ), notes
 
 
@@ -304,28 +320,6 @@ def _job_name(display_name: str | None) -> str:
     if display_name:
         prefix = re.sub(r"[^A-Za-z0-9._-]+", "-", display_name).strip("-.") or "rt"
     return f"{prefix}-{time.strftime('%Y%m%d-%H%M%S')}-{secrets.token_hex(2)}"
-
-
-def _spec_gpus(spec: JobSpec, replicas: int, notes: list[str]) -> int:
-    """GPUs per replica from the spec's acceleratorCount: only where this machine has GPUs
-    (a spec written for the platform still runs on a laptop); where it has too few the
-    job is a stockout, as on the platform."""
-    wanted = spec.gpus_per_worker
-    notes += spec.notes_for("gpus")
-    if not wanted:
-        return 0
-    available = len(detect_gpus(os.environ))
-    what = f"{wanted} x {spec.accelerator_type} per replica"
-    if available == 0:
-        notes.append(f"the spec asks for {what}; this machine has no GPUs, so the replicas "
-                     f"run without (pass --gpus-per-worker {wanted} to get the platform's "
-                     f"stockout instead)")
-        return 0
-    if wanted * replicas > available:
-        notes.append(f"the spec asks for {what}, {wanted * replicas} in all; this machine has "
-                     f"{available}: the job is a stockout, as on the platform (pass "
-                     f"--gpus-per-worker K to fit, 0 for none)")
-    return wanted
 
 
 def _status(args: argparse.Namespace) -> int:
@@ -349,6 +343,10 @@ def _status(args: argparse.Namespace) -> int:
         print(f"error     code {job['error']['code']}: {job['error']['message']}")
     budgets = ", ".join(f"{n} {b['used']}/{b['limit']}" for n, b in job.get("budgets", {}).items())
     print(f"budgets   {budgets}")
+    if job.get("exit_status") is not None:
+        print(f"exit      {job['exit_status']}")
+    for fault in job.get("unfired_faults") or []:
+        print(f"chaos     {fault['spec']} never fired: {fault['why']}")
     g = job.get("goodput")
     if g:
         print(f"goodput   {g['goodput']:.1%} of {g['wall_s']:.1f} s: productive "
@@ -360,8 +358,13 @@ def _status(args: argparse.Namespace) -> int:
               f"  {att['result'] or 'running'}")
         for replica, r in att["replicas"].items():
             codes = ",".join(str(c) for c in r["exit_codes"]) or "-"
-            print(f"  {replica:16} {r['status']:9} restarts {r['restarts']}"
-                  f"(+{r['uncounted_restarts']} maintenance)  exit codes {codes}")
+            if "peer_restarts" in r:
+                free = (f"(+{r['peer_restarts']} with a peer, "
+                        f"+{r['maintenance_restarts']} maintenance)")
+            else:   # a record from before the split
+                free = f"(+{r['uncounted_restarts']} maintenance or with a peer)"
+            print(f"  {replica:16} {r['status']:9} restarts {r['restarts']} {free}"
+                  f"  exit codes {codes}")
     if args.events:
         for e in job.get("events", []):
             print(f"  +{e['elapsed_s']:9.3f}s  {e['message']}")

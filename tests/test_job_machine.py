@@ -228,9 +228,11 @@ def test_lifecycle_queued_pending_running_succeeded() -> None:
     [attempt] = rec["attempts"]
     assert attempt["result"] == "succeeded" and attempt["end_time"] == rec["end_time"]
     assert attempt["replicas"][PRIMARY] == {"status": "exited", "restarts": 0,
-                                            "uncounted_restarts": 0, "exit_codes": [0]}
+                                            "uncounted_restarts": 0, "peer_restarts": 0,
+                                            "maintenance_restarts": 0, "exit_codes": [0]}
     assert attempt["replicas"][W1] == {"status": "stopped", "restarts": 0,
-                                       "uncounted_restarts": 0, "exit_codes": [143]}
+                                       "uncounted_restarts": 0, "peer_restarts": 0,
+                                       "maintenance_restarts": 0, "exit_codes": [143]}
 
 
 def test_rule1_primary_exit_0_stops_the_others_and_succeeds() -> None:
@@ -247,6 +249,7 @@ def test_rule2_non_primary_exit_0_is_done_and_not_restarted() -> None:
     c = running(3).exit(W1, 0)
     assert c.state is JobState.RUNNING
     assert c.replica(W1) == {"status": "done", "restarts": 0, "uncounted_restarts": 0,
+                             "peer_restarts": 0, "maintenance_restarts": 0,
                              "exit_codes": [0]}
     assert len(c.commands(StartWorker)) == 3               # no restart
     c.succeed()
@@ -270,7 +273,8 @@ def test_rule4_transient_exit_codes_retry_the_whole_job(code: int) -> None:
     assert first["result"] == "retry: 4-transient-exit-code"
     assert first["replicas"][W2]["exit_codes"] == [code]
     assert first["replicas"][PRIMARY] == {"status": "stopped", "restarts": 0,
-                                          "uncounted_restarts": 0, "exit_codes": [143]}
+                                          "uncounted_restarts": 0, "peer_restarts": 0,
+                                          "maintenance_restarts": 0, "exit_codes": [143]}
     assert second["attempt"] == 2 and second["end_time"] is None
     assert all(r["status"] == "running" and r["exit_codes"] == [] for r in second["replicas"].values())
     assert c.used("job_retries") == 1
@@ -381,6 +385,7 @@ def test_rule7_infrastructure_faults_restart_the_worker_in_place(cause: Cause) -
     c = running(3).exit(W1, 137, cause)
     assert c.state is JobState.RUNNING and len(c.record["attempts"]) == 1
     assert c.replica(W1) == {"status": "running", "restarts": 1, "uncounted_restarts": 0,
+                             "peer_restarts": 0, "maintenance_restarts": 0,
                              "exit_codes": [137]}
     assert c.alive[W1] == StartWorker(W1, attempt=1, restart=1)   # same attempt, same name
     assert c.commands(StopWorkers) == []                          # the others keep running
@@ -483,7 +488,8 @@ def test_restart_job_on_worker_restart_restarts_every_worker_in_the_same_attempt
     assert c.inbox == deque([StopWorkers((PRIMARY, W2), f"restart all after {W1}")])
     c.settle()
     assert c.state is JobState.RUNNING and len(c.record["attempts"]) == 1
-    assert c.alive == {r: StartWorker(r, 1, 1) for r in replica_names(3)}
+    # The lost one on a new VM; its peers on their own (their local disks are kept).
+    assert c.alive == {r: StartWorker(r, 1, 1, new_vm=r == W1) for r in replica_names(3)}
     assert c.replica(W1)["restarts"] == 1
     assert c.replica(PRIMARY)["exit_codes"] == [143] and c.replica(PRIMARY)["restarts"] == 0
     # Restarted with W1, on W1's budget: the record still shows that it was restarted.
@@ -575,6 +581,7 @@ def test_a_worker_failing_during_the_succeeded_shutdown_changes_nothing(code: in
     c.exit(W1, code, cause)                                # before its StopWorkers arrives
     c.assert_ended(JobState.SUCCEEDED, 0)
     assert c.replica(W1) == {"status": "stopped", "restarts": 0, "uncounted_restarts": 0,
+                             "peer_restarts": 0, "maintenance_restarts": 0,
                              "exit_codes": [code]}
     assert c.used("job_retries") == 0 and len(c.record["attempts"]) == 1
 

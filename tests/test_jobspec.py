@@ -71,9 +71,13 @@ def test_a_whole_custom_job_in_json_with_string_counts_and_an_empty_pool(tmp_pat
     assert dict(spec.env) == {"A": "b"}
     assert spec.display_name == "my run"
     assert (spec.strategy, spec.max_wait, spec.disable_retries) == (Strategy.FLEX_START, 0.0, True)
-    # Pool 2 has no args and no env: the launcher says it runs pool 0's for every replica.
-    assert any("workerPoolSpecs[2] runs python t.py" in n for n in spec.notes_for("command"))
-    assert spec.notes_for("env")
+    # Each pool keeps its own program: pool 2 has no args and no env.
+    pool2 = spec.pool("workerpool2")
+    assert pool2 is not None and pool2.command == ("python", "t.py") and dict(pool2.env) == {}
+    assert spec.pool("workerpool1") is None
+    # CustomJob labels are not silently dropped; output-only fields (state) are.
+    fields = " ".join(spec.notes_for("fields"))
+    assert "labels (team=x) are not used locally" in fields and "state" not in fields
 
 
 def test_python_package_spec_and_ignored_fields_are_reported() -> None:
@@ -318,7 +322,7 @@ def test_cli_takes_everything_from_the_spec_when_nothing_is_given(
     opts, notes = _options(["--job-spec", str(EXAMPLE)])
     assert opts.pools == (("workerpool0", 1), ("workerpool1", 1))
     assert opts.command == ("python", "examples/train_charlm.py", "--steps", "2000")
-    assert opts.env["RESILIENT_TRAIN_HANG_TIMEOUT_S"] == "600"
+    assert opts.program("workerpool1").env["RESILIENT_TRAIN_HANG_TIMEOUT_S"] == "600"
     assert opts.gpus_per_worker == 1
     assert opts.memory_limit == memory_limit_for("g2-standard-8")
     assert opts.timeout == 7200.0 and opts.max_wait == 24 * 3600.0
@@ -343,13 +347,14 @@ def test_cli_explicit_options_beat_the_spec(tmp_path: Path,
     assert opts.memory_limit == 1 << 30
     assert opts.output_dir == str(tmp_path / "out")
     assert opts.restart_job_on_worker_restart is True
-    assert opts.env["RESILIENT_TRAIN_HANG_TIMEOUT_S"] == "600"   # env still from the spec
+    assert opts.program("workerpool0").env["RESILIENT_TRAIN_HANG_TIMEOUT_S"] == "600"  # the spec's
     assert not any("--output-dir" in n for n in notes)
-    # --pool and --machine-type are explicit too.
-    opts, _ = _options(["--job-spec", str(EXAMPLE), "--pool", "workerpool0=1",
+    # --pool (a pool's count, 0 leaves it out) and --machine-type are explicit too.
+    opts, _ = _options(["--job-spec", str(EXAMPLE), "--pool", "workerpool1=0",
                         "--machine-type", "n1-standard-4"])
     assert opts.pools == (("workerpool0", 1),)
     assert opts.memory_limit == memory_limit_for("n1-standard-4")
+    assert [p.memory_limit for p in opts.programs] == [memory_limit_for("n1-standard-4")]
 
 
 def test_cli_spec_gpus_only_where_the_machine_has_gpus(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -392,7 +397,8 @@ def test_cli_runs_a_two_pool_spec_end_to_end(tmp_path: Path) -> None:
     logs = {log.stem: log.read_text() for log in job_dir.glob("logs/*/*.log")}
     assert "rank=0 task=workerpool0:0 greeting=hello" in logs["workerpool0-0"]
     assert "rank=1 task=workerpool1:0 greeting=hello" in logs["workerpool1-0"]
-    assert "job spec: the image local/test:1 is not run locally" in proc.stdout
+    assert ("job spec: workerpool0, workerpool1: the image local/test:1 is not run locally"
+            in proc.stdout)
 
 
 def test_a_note_about_an_env_value_masks_a_secret_one() -> None:

@@ -333,7 +333,8 @@ def test_kill_chaos_restarts_the_worker_with_rising_restart_count(e2e: E2E) -> N
     assert killed["restarts"] == 2 and killed["uncounted_restarts"] == 0
     assert killed["exit_codes"][:2] == [137, 137]
     assert replica(rec, PRIMARY) == {"status": "exited", "restarts": 0,
-                                     "uncounted_restarts": 0, "exit_codes": [0]}
+                                     "uncounted_restarts": 0, "peer_restarts": 0,
+                                     "maintenance_restarts": 0, "exit_codes": [0]}
     messages = event_messages(rec)
     assert messages.count("chaos: kill on workerpool1-0") == 2
     assert "workerpool1-0: exited with status 137 (node_loss)" in messages
@@ -393,7 +394,8 @@ def test_primary_success_stops_a_hanging_worker(e2e: E2E) -> None:
         0, "JOB_STATE_SUCCEEDED", None, 0)
     assert replica(rec, PRIMARY)["exit_codes"] == [0]
     assert replica(rec, "workerpool1-0") == {"status": "stopped", "restarts": 0,
-                                             "uncounted_restarts": 0, "exit_codes": [143]}
+                                             "uncounted_restarts": 0, "peer_restarts": 0,
+                                             "maintenance_restarts": 0, "exit_codes": [143]}
     assert "stopping workerpool1-0 (succeeded)" in event_messages(rec)
     assert rec["attempts"][0]["result"] == "succeeded"
     assert rec["start_time"] and rec["end_time"]
@@ -625,7 +627,8 @@ def test_a_daemon_left_by_a_finished_worker_dies_with_that_worker_life(e2e: E2E)
         proc.wait()
     rec = read_job(e2e.job_dir())
     assert replica(rec, "workerpool1-0") == {"status": "done", "restarts": 0,
-                                             "uncounted_restarts": 0, "exit_codes": [0]}
+                                             "uncounted_restarts": 0, "peer_restarts": 0,
+                                             "maintenance_restarts": 0, "exit_codes": [0]}
 
 
 def test_a_launcher_failure_stops_the_workers_and_records_an_internal_error(

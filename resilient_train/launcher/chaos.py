@@ -37,8 +37,9 @@ import logging
 import math
 import random
 import re
+from collections import Counter
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from enum import Enum
 from pathlib import Path
 from typing import Any
@@ -53,6 +54,7 @@ __all__ = [
     "FaultKind",
     "RandomFault",
     "ScheduledFault",
+    "UnfiredFault",
     "load_chaos",
     "parse_chaos",
     "parse_duration",
@@ -126,6 +128,17 @@ class Fault:
     at_step: int | None = None  # once the primary has finished this step
     duration: float | None = None  # hang, slow: None = for the rest of the replica's life
     speed: float | None = None  # slow only: the fraction of its pace it keeps
+    written: str | None = field(default=None, compare=False)  # the item as given in --chaos
+
+    @property
+    def text(self) -> str:
+        """The fault as a ``--chaos`` item (``kill:1@step50``): as written, or the
+        equivalent of a JSON entry."""
+        if self.written is not None:
+            return self.written
+        when = f"step{self.at_step}" if self.at_step is not None else _seconds(self.at)
+        return _item_text(self.kind, self.target, "@" + when, self.duration, self.speed,
+                          self.grace)
 
 
 @dataclass(frozen=True)
@@ -137,6 +150,32 @@ class RandomFault:
     grace: float | None = None
     duration: float | None = None
     speed: float | None = None
+    written: str | None = field(default=None, compare=False)
+
+    @property
+    def text(self) -> str:
+        """The stream as a ``--chaos`` item (``kill~30sx5``)."""
+        if self.written is not None:
+            return self.written
+        count = "" if self.max_count is None else f"x{self.max_count}"
+        return _item_text(self.kind, self.target, "~" + _seconds(self.mean_interval) + count,
+                          self.duration, self.speed, self.grace)
+
+
+def _seconds(value: float) -> str:
+    return f"{value:g}s"
+
+
+def _item_text(kind: FaultKind, target: str | None, when: str, duration: float | None,
+               speed: float | None, grace: float | None) -> str:
+    text = kind.value + (f":{target}" if target is not None else "") + when
+    if duration is not None:
+        text += "+" + _seconds(duration)
+    if speed is not None and kind is FaultKind.SLOW:
+        text += f"*{speed:g}"
+    if grace is not None:
+        text += "/" + _seconds(grace)
+    return text
 
 
 @dataclass(frozen=True)
@@ -158,6 +197,36 @@ class ScheduledFault:
     at_step: int | None = None
     duration: float | None = None
     speed: float | None = None
+    # Which item of the spec it comes from: its index in (*faults, *random). Not part of
+    # its identity (equality), only of its bookkeeping (which items fired).
+    source: int | None = field(default=None, compare=False, repr=False)
+
+
+@dataclass(frozen=True)
+class UnfiredFault:
+    """A spec item that did not do what it says: a fixed fault that never fired, or a
+    random stream of which some never fired before the job ended."""
+
+    spec: str                  # the item as a --chaos item
+    kind: FaultKind
+    target: str | None         # the replica it was set on; None: job-wide, or a random pick
+    at_s: float | None         # fixed time (seconds after RUNNING)
+    at_step: int | None        # fixed step of the primary
+    random: bool               # a ~MEAN stream: only listed, never an exit status
+    why: str
+    fired: int = 0             # random streams: how many of its faults did fire
+    count: int | None = None   # random streams: its xCOUNT (None: unbounded)
+
+    def to_json(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"spec": self.spec, "kind": self.kind.value,
+                               "target": self.target, "random": self.random}
+        if self.random:
+            out.update(fired=self.fired, count=self.count)
+        else:
+            out.update(at_s=None if self.at_step is not None else self.at_s,
+                       at_step=self.at_step)
+        out["why"] = self.why
+        return out
 
 
 # ---------------------------------------------------------------------------- parsing
@@ -339,7 +408,7 @@ def parse_chaos(text: str, *, seed: int = 0) -> ChaosSpec:
         column += len(raw) + 1
         if not item:
             raise ChaosSpecError(f"empty item {number} (column {column - 1}); {_GRAMMAR}")
-        items.append(_parse_item(item, where))
+        items.append(replace(_parse_item(item, where), written=item))
     return _build(items, seed)
 
 
@@ -473,11 +542,14 @@ class ChaosSchedule:
         # Heap entries: (time, source order, sequence in source, fault); ties break stably.
         self._heap: list[tuple[float, int, int, ScheduledFault]] = []
         self._by_step: list[ScheduledFault] = []   # step-triggered, by step then order
+        self._fixed: list[ScheduledFault] = []     # every fixed fault, in spec order
+        self._fired: Counter[int] = Counter()      # by source: how many of its faults fired
         for index, fault in enumerate(spec.faults):
             scheduled = ScheduledFault(
                 fault.kind, fault.at, self._resolve(fault.kind, fault.target, rng), fault.grace,
-                fault.at_step, fault.duration, fault.speed,
+                fault.at_step, fault.duration, fault.speed, source=index,
             )
+            self._fixed.append(scheduled)
             if fault.at_step is not None:
                 self._by_step.append(scheduled)
             else:
@@ -487,7 +559,7 @@ class ChaosSchedule:
         self._streams: list[Iterator[ScheduledFault]] = []
         for index, rfault in enumerate(spec.random):
             stream_rng = random.Random(f"{spec.seed}/random/{index}")
-            self._streams.append(self._stream(rfault, stream_rng))
+            self._streams.append(self._stream(rfault, stream_rng, len(spec.faults) + index))
             self._push_next(index)
 
     def _resolve(
@@ -517,14 +589,15 @@ class ChaosSchedule:
             )
         return target
 
-    def _stream(self, rfault: RandomFault, rng: random.Random) -> Iterator[ScheduledFault]:
+    def _stream(self, rfault: RandomFault, rng: random.Random,
+                source: int) -> Iterator[ScheduledFault]:
         limit = rfault.max_count if rfault.max_count is not None else RANDOM_FAULT_CAP
         at = 0.0
         for _ in range(limit):
             at += rng.expovariate(1.0 / rfault.mean_interval)
             target = self._resolve(rfault.kind, rfault.target, rng)
             yield ScheduledFault(rfault.kind, at, target, rfault.grace, None, rfault.duration,
-                                 rfault.speed)
+                                 rfault.speed, source=source)
 
     def _push_next(self, stream: int) -> None:
         nxt = next(self._streams[stream], None)
@@ -556,3 +629,79 @@ class ChaosSchedule:
             if source > 0:
                 self._push_next(source - 1)
         return out
+
+    # --- what fired ---------------------------------------------------------------
+
+    def text_of(self, fault: ScheduledFault) -> str:
+        """The spec item that a fault comes from, as a ``--chaos`` item."""
+        items: tuple[Fault | RandomFault, ...] = (*self.spec.faults, *self.spec.random)
+        if fault.source is None or not 0 <= fault.source < len(items):
+            return fault.kind.value
+        return items[fault.source].text
+
+    def waiting_for_steps(self) -> tuple[str, ...]:
+        """The step-triggered faults that have not come due yet, as spec items."""
+        return tuple(self.text_of(f) for f in self._by_step)
+
+    def fired(self, fault: ScheduledFault) -> None:
+        """The launcher injected ``fault`` (it was taken from ``due`` or ``due_at_step``)."""
+        if fault.source is not None:
+            self._fired[fault.source] += 1
+
+    def never_fired(self, *, ran_for: float | None, last_step: int | None,
+                    pending: Sequence[ScheduledFault] = ()) -> list[UnfiredFault]:
+        """The spec's items that did not fire, with why, once the job is over.
+
+        ``ran_for``: seconds from the first RUNNING to the end (None: never RUNNING);
+        ``last_step``: the highest step the primary reported (None: none); ``pending``:
+        faults that came due but found no target to hit. Random streams are listed when
+        some of their xCOUNT faults never fired, or, unbounded, when none did."""
+        out: list[UnfiredFault] = []
+        pending_by_source = {f.source: f for f in pending if f.source is not None}
+        for index, (fault, scheduled) in enumerate(zip(self.spec.faults, self._fixed)):
+            if self._fired[index]:
+                continue
+            if index in pending_by_source:
+                why = _no_target(scheduled)
+            elif fault.at_step is not None:
+                why = ("the primary never reported a step (steps are reported under "
+                       "@rt.main, by ctx.steps)" if last_step is None else
+                       f"the primary's last reported step was {last_step}, before step "
+                       f"{fault.at_step}")
+            else:
+                why = _ended_before(ran_for, fault.at, "")
+            out.append(UnfiredFault(fault.text, fault.kind, scheduled.target,
+                                    None if fault.at_step is not None else fault.at,
+                                    fault.at_step, False, why))
+        next_at = {source - 1: at for at, source, _, _ in self._heap if source > 0}
+        for stream, rfault in enumerate(self.spec.random):
+            source = len(self.spec.faults) + stream
+            fired = self._fired[source]
+            if (fired >= rfault.max_count) if rfault.max_count is not None else fired:
+                continue
+            if source in pending_by_source:
+                why = _no_target(pending_by_source[source], "one")
+            elif stream in next_at:
+                why = _ended_before(ran_for, next_at[stream], "the next at ")
+            else:
+                why = "the job ended first"
+            out.append(UnfiredFault(rfault.text, rfault.kind,
+                                    self._resolve(rfault.kind, rfault.target, None),
+                                    None, None, True, why, fired, rfault.max_count))
+        return out
+
+
+def _no_target(fault: ScheduledFault, subject: str = "it") -> str:
+    if fault.target is None:
+        return (f"{subject} came due while the job was not running (starting, or stopping "
+                f"for a retry), and the job ended before it ran again")
+    return f"{subject} came due, but its target {fault.target} was never running again"
+
+
+def _ended_before(ran_for: float | None, at: float, what: str) -> str:
+    if ran_for is None:
+        return "the job never reached JOB_STATE_RUNNING"
+    when = f"{at:g}" if at == round(at, 1) else f"{at:.1f}"
+    if ran_for >= at:
+        return f"the job ended at {ran_for:.1f} s, as {what or 'it'} came due ({when} s)"
+    return f"the job ended at {ran_for:.1f} s, before {what}{when} s"

@@ -15,9 +15,11 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Union
 
+from .machines import new_vm_after
 from .messages import (
     JobError,
     JobState,
+    PeerLoss,
     cancelled_error,
     infrastructure_error,
     internal_error,
@@ -31,6 +33,15 @@ from .policy import JOB_SCOPE, Action, Cause, Outcome, Policy, Step, Strategy, d
 log = logging.getLogger(__name__)
 
 PRIMARY = "workerpool0-0"
+
+# A replica's permanent exit this soon after a peer's loss, with a failed peer connection
+# in its log, is put down to that loss (error.message's "Likely cause" line). gloo and NCCL
+# see a dead peer's connection at once, but a survivor busy elsewhere (a data loader, a
+# long forward, a save) meets it only at its next collective: 30 s covers a step of an
+# ordinary length, and a bug much later than that is unlikely to be the loss's doing.
+PEER_LOSS_WINDOW_S = 30.0
+# A peer that ended so is lost to the others' collectives (and any non-zero exit: a crash).
+_LOSS_CAUSES = frozenset({"node_loss", "preemption", "maintenance", "oom"})
 
 
 @dataclass(frozen=True)
@@ -56,6 +67,9 @@ class StartWorker:
     replica: str
     attempt: int
     restart: int        # restarts of this replica so far in this job (all kinds)
+    # On a VM of its own that is new (first start, job retry, after a node loss): its
+    # local disk is wiped. Its container is always new (machines.py has the table).
+    new_vm: bool = True
 
 
 @dataclass(frozen=True)
@@ -90,14 +104,19 @@ class ReplicaRecord:
     status: str = STARTING
     restarts: int = 0              # restarts in this attempt that a budget paid for
     uncounted_restarts: int = 0    # maintenance; restarted along with a peer (restart-all)
+    peer_restarts: int = 0         # of those, restarted along with a peer (restart-all)
     exit_codes: list[int] = field(default_factory=list)
     # What this replica spent of each worker-scoped budget in this attempt (not in the
     # record: the job's budget summary shows the most any replica spent).
     budget_used: dict[str, int] = field(default_factory=dict)
 
     def to_json(self) -> dict[str, Any]:
+        # uncounted_restarts stays the total of the two that follow it (older readers).
         return {"status": self.status, "restarts": self.restarts,
-                "uncounted_restarts": self.uncounted_restarts, "exit_codes": list(self.exit_codes)}
+                "uncounted_restarts": self.uncounted_restarts,
+                "peer_restarts": self.peer_restarts,
+                "maintenance_restarts": self.uncounted_restarts - self.peer_restarts,
+                "exit_codes": list(self.exit_codes)}
 
 
 @dataclass
@@ -129,6 +148,7 @@ class _AfterStop:
     error: JobError | None = None
     reason: str = ""
     replica: str | None = None  # restart_all: the replica whose restart restarts all
+    cause: Cause | None = None  # restart_all: why that replica ended
 
 
 class JobMachine:
@@ -150,6 +170,8 @@ class JobMachine:
         self._waiting_since: float | None = None   # FLEX_START wait for capacity
         self._stockout_waiting = False
         self._policy = config.rules
+        # The exit being decided: (replica, time, its log's failed-connection line).
+        self._exit_seen: tuple[str, float, str | None] | None = None
         self._event(now, "state", f"job {config.name}: {self.state.value}", state=self.state.value)
 
     # --- queries ----------------------------------------------------------------------
@@ -239,10 +261,14 @@ class JobMachine:
         return []
 
     def worker_exited(self, replica: str, exit_code: int, cause: Cause, now: float,
-                      excerpt: str | None = None) -> list[Command]:
+                      excerpt: str | None = None,
+                      connection_error: str | None = None) -> list[Command]:
+        """``excerpt``: the traceback for the job's error; ``connection_error``: the line of
+        the replica's log that says a peer's connection failed, if one does."""
         att = self.attempt
         if att is None or att.replicas[replica].status not in _LIVE:
             return []
+        self._exit_seen = (replica, now, connection_error)
         rec = att.replicas[replica]
         rec.exit_codes.append(exit_code)
         if rec.status == STOPPING:
@@ -298,9 +324,10 @@ class JobMachine:
             return self._finish(JobState.FAILED, now)
         return []
 
-    def note(self, now: float, message: str, kind: str = "fault") -> None:
-        """An event from the process layer (an injected fault, a memory reading)."""
-        self._event(now, kind, message)
+    def note(self, now: float, message: str, kind: str = "fault", **extra: Any) -> None:
+        """An event from the process layer (an injected fault, a memory reading); ``extra``
+        goes into the event (a fault's ``replica`` and ``cause``)."""
+        self._event(now, kind, message, **extra)
 
     def launcher_failed(self, now: float) -> None:
         """The launcher itself crashed: the job ends FAILED with the internal error."""
@@ -330,7 +357,7 @@ class JobMachine:
             self.attempts[-1].replicas[outcome.replica].status = DONE
             return []
         if action is Action.RESTART_WORKER and outcome.replica is not None:
-            return self._restart_worker(outcome.replica, now)
+            return self._restart_worker(outcome.replica, outcome.cause, now)
         if action is Action.RETRY_JOB:
             return self._stop_all(_AfterStop("retry", reason=f"retry: {rule_name}"), now)
         if action is Action.WAIT_FOR_CAPACITY:
@@ -392,22 +419,53 @@ class JobMachine:
                 Cause.PREEMPTION: "Preempted", Cause.NODE_LOSS: "NodeLost",
                 Cause.MAINTENANCE: "Maintenance"}[outcome.cause])
         reason = "StartError" if outcome.cause is Cause.START_ERROR else "Error"
-        return user_code_error(replica, code, reason, excerpt)
+        peer_loss = self._peer_loss(replica) if outcome.cause is Cause.EXIT and code else None
+        return user_code_error(replica, code, reason, excerpt, peer_loss)
 
-    def _restart_worker(self, replica: str, now: float) -> list[Command]:
+    def _peer_loss(self, replica: str) -> PeerLoss | None:
+        """Another replica of this attempt lost shortly before this exit, when this
+        replica's log shows a failed peer connection (PEER_LOSS_WINDOW_S)."""
+        seen, att = self._exit_seen, self.attempt
+        if seen is None or seen[0] != replica or att is None:
+            return None
+        _, now, connection_error = seen
+        if connection_error is None:
+            return None
+        for e in reversed(self.events):
+            if e.get("attempt") != att.number:
+                break
+            ago = now - (self.create_time + e["elapsed_s"])
+            if ago > PEER_LOSS_WINDOW_S:
+                break
+            peer = e.get("replica")
+            if peer is None or peer == replica:
+                continue
+            cause = e.get("cause")
+            if e["kind"] == "exited" and (cause in _LOSS_CAUSES or e.get("exit_code")):
+                what = cause if cause in _LOSS_CAUSES else f"exit {e.get('exit_code')}"
+            elif e["kind"] == "fault" and cause in _LOSS_CAUSES:
+                what = cause   # the fault's SIGTERM or SIGKILL: its exit may come later
+            else:
+                continue
+            return PeerLoss(peer, what, max(0.0, ago), connection_error,
+                            self.config.restart_job_on_worker_restart)
+        return None
+
+    def _restart_worker(self, replica: str, cause: Cause, now: float) -> list[Command]:
         if self.config.restart_job_on_worker_restart:
             return self._stop_all(_AfterStop("restart_all", reason=f"restart all after {replica}",
-                                             replica=replica), now)
-        return [self._start(replica, now)]
+                                             replica=replica, cause=cause), now)
+        return [self._start(replica, now, new_vm=new_vm_after(cause))]
 
-    def _start(self, replica: str, now: float, *, first: bool = False) -> StartWorker:
+    def _start(self, replica: str, now: float, *, first: bool = False,
+               new_vm: bool = True) -> StartWorker:
         att = self.attempts[-1]
         att.replicas[replica].status = STARTING
         if not first:
             self._restarts_in_job[replica] += 1
             self._event(now, "restarting", f"{replica}: restarting "
                         f"(restart {self._restarts_in_job[replica]} in this job)", replica=replica)
-        return StartWorker(replica, att.number, self._restarts_in_job[replica])
+        return StartWorker(replica, att.number, self._restarts_in_job[replica], new_vm)
 
     def _new_attempt(self, now: float) -> list[Command]:
         number = len(self.attempts) + 1
@@ -453,7 +511,11 @@ class JobMachine:
             for name in again:
                 if name != after.replica:
                     att.replicas[name].uncounted_restarts += 1
-            return [self._start(name, now) for name in again]
+                    att.replicas[name].peer_restarts += 1
+            # The peers are restarted on their own VMs; the one that failed where its
+            # cause puts it.
+            return [self._start(name, now, new_vm=name == after.replica and after.cause
+                                is not None and new_vm_after(after.cause)) for name in again]
         if att is not None:
             att.end_time = now
             att.result = after.reason

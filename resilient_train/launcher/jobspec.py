@@ -20,7 +20,7 @@ import difflib
 import json
 import re
 import reprlib
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import MappingProxyType
@@ -30,7 +30,7 @@ from .policy import Strategy
 from .record import SECRET_MASK, is_secret_name
 from .resources import MACHINE_TYPES, memory_limit_for
 
-__all__ = ["JobSpec", "JobSpecError", "load_job_spec", "parse_job_spec"]
+__all__ = ["JobSpec", "JobSpecError", "PoolSpec", "load_job_spec", "parse_job_spec"]
 
 MAX_POOLS = 4  # workerpool0 primary, 1 workers, 2 parameter/reduction servers, 3 evaluators
 # Bounds on what a spec may cost to read. A real one is a few KiB and about ten levels deep.
@@ -82,10 +82,34 @@ _DURATION_RE = re.compile(r"^(\d+)(\.\d{1,9})?s$")
 _INT_RE = re.compile(r"^-?\d+$")   # proto3 JSON writes int64 (replicaCount) as a string
 _ACCELERATOR_RE = re.compile(r"^[A-Z][A-Z0-9_]*$")
 _ENV_NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_.-]*$")
+# The platform's Reduction Server image (...-docker.pkg.dev/vertex-ai-restricted/training/
+# reductionserver:TAG): its own entrypoint, no training rank.
+_REDUCTION_SERVER_RE = re.compile(r"/reductionserver(?:[:@]|$)")
 
 
 class JobSpecError(ValueError):
     """The job spec is malformed; the message names the field path and the fix."""
+
+
+@dataclass(frozen=True)
+class PoolSpec:
+    """One worker pool as the spec gives it: its own program, environment and machine."""
+
+    pool: str                                # "workerpool2"
+    path: str                                # "workerPoolSpecs[2]", for messages
+    replicas: int
+    command: tuple[str, ...] | None          # command + args; None: the image's ENTRYPOINT
+    image: str
+    env: Mapping[str, str] = field(default_factory=lambda: MappingProxyType({}))
+    machine_type: str = ""
+    memory_limit: int | None = None          # from machine_type; None: not in the table
+    accelerator_type: str | None = None
+    accelerator_count: int = 0
+
+    @property
+    def is_reduction_server(self) -> bool:
+        """The platform's Reduction Server image, run by its own entrypoint."""
+        return self.command is None and bool(_REDUCTION_SERVER_RE.search(self.image))
 
 
 @dataclass(frozen=True)
@@ -110,6 +134,10 @@ class JobSpec:
     disable_retries: bool | None = None
     display_name: str | None = None
     notes: tuple[tuple[str, str], ...] = ()
+    pool_specs: tuple[PoolSpec, ...] = ()    # every pool that is not empty, in order
+
+    def pool(self, name: str) -> PoolSpec | None:
+        return next((p for p in self.pool_specs if p.pool == name), None)
 
     def notes_for(self, *topics: str) -> list[str]:
         return [text for topic, text in self.notes if topic in topics]
@@ -269,6 +297,20 @@ def parse_job_spec(data: Any) -> JobSpec:
         job = p.obj(data, "", _CUSTOM_JOB_USED, _CUSTOM_JOB_IGNORED, report_ignored=False)
         if "displayName" in job:
             display_name = p.string(job["displayName"], "displayName")
+        if job.get("labels"):
+            labels = job["labels"]
+            shown = (", ".join(f"{k}={v}" for k, v in labels.items())
+                     if isinstance(labels, Mapping) else _show(labels))
+            p.notes.append(("fields", (
+                f"labels ({_clip(shown)}) are not used locally; on the platform they tag "
+                f"the job (billing, filters)")))
+        if job.get("encryptionSpec"):
+            key = (job["encryptionSpec"].get("kmsKeyName", "")
+                   if isinstance(job["encryptionSpec"], Mapping) else "")
+            p.notes.append(("fields", (
+                f"encryptionSpec{f' ({_clip(str(key))})' if key else ''} is not used "
+                f"locally: nothing here is encrypted with that key; the platform encrypts "
+                f"the job's data with it")))
         spec = p.obj(job["jobSpec"], "jobSpec", _SPEC_USED, _SPEC_IGNORED)
         prefix = "jobSpec."
     else:
@@ -318,7 +360,6 @@ class _Parser:
             raise JobSpecError(
                 f"{wps}[0]: the primary's pool cannot be empty; only the pools after it may "
                 f"be {{}}")
-        self._pool_differences(primary, present, wps)
 
         out: dict[str, Any] = {}
         if "scheduling" in spec:
@@ -326,16 +367,20 @@ class _Parser:
         if "baseOutputDirectory" in spec:
             out["output_dir"] = self.output(spec["baseOutputDirectory"],
                                             f"{prefix}baseOutputDirectory")
-        memory = None
-        if primary.machine_type in MACHINE_TYPES:
-            memory = memory_limit_for(primary.machine_type)
-        else:
-            self.notes.append(("memory", (
-                f"machine type {primary.machine_type} is not in the launcher's table: no "
-                f"memory limit (pass --memory-limit SIZE to set one)")))
-        self.notes.append(("fields", (
-            f"the image {primary.image} is not run locally: the pools' commands run on this "
-            f"machine, in this environment")))
+        pool_specs = []
+        for pool in present:
+            memory = None
+            if pool.machine_type in MACHINE_TYPES:
+                memory = memory_limit_for(pool.machine_type)
+            else:
+                self.notes.append(("memory", (
+                    f"{wps}[{pool.index}]: machine type {pool.machine_type} is not in the "
+                    f"launcher's table: no memory limit for workerpool{pool.index} (pass "
+                    f"--memory-limit SIZE to set one)")))
+            pool_specs.append(PoolSpec(
+                f"workerpool{pool.index}", f"{wps}[{pool.index}]", pool.replicas,
+                pool.command, pool.image, MappingProxyType(dict(pool.env)), pool.machine_type,
+                memory, pool.accelerator_type, pool.accelerator_count))
         if self.ignored:
             self.notes.append(("fields", "not reproduced locally, ignored: "
                                + ", ".join(self.ignored)))
@@ -344,11 +389,12 @@ class _Parser:
             command=primary.command,
             env=MappingProxyType(dict(primary.env)),
             machine_type=primary.machine_type,
-            memory_limit=memory,
+            memory_limit=pool_specs[0].memory_limit,
             gpus_per_worker=primary.accelerator_count,
             accelerator_type=primary.accelerator_type,
             display_name=display_name,
             notes=tuple((topic, _bounded(text)) for topic, text in self.notes),
+            pool_specs=tuple(pool_specs),
             **out,
         )
 
@@ -534,32 +580,6 @@ class _Parser:
                 f"{path}: machine type {machine_type} comes with {machine.gpus} "
                 f"{machine.accelerator}; set acceleratorType: {machine.accelerator} and "
                 f"acceleratorCount: {machine.gpus} (found {acc_type or 'no type'} x {count})")
-
-    def _pool_differences(self, primary: _Pool, pools: Sequence[_Pool], wps: str) -> None:
-        # The launcher runs one command, with one environment, GPU count and memory limit,
-        # for every replica: it takes the primary's and says what that changes.
-        for pool in pools[1:]:
-            where = f"{wps}[{pool.index}]"
-            if pool.command != primary.command:
-                theirs = " ".join(pool.command) if pool.command else "the image's ENTRYPOINT"
-                ours = " ".join(primary.command) if primary.command else "the command after --"
-                self.notes.append(("command", (
-                    f"{where} runs {theirs} on the platform; the launcher runs one command for "
-                    f"every replica: workerpool{pool.index}'s replicas run {ours} here")))
-            if pool.env != primary.env:
-                self.notes.append(("env", (
-                    f"{where}'s env differs from workerpool0's; the launcher gives "
-                    f"every replica workerpool0's")))
-            if pool.accelerator_count != primary.accelerator_count:
-                self.notes.append(("gpus", (
-                    f"{where} has {pool.accelerator_count} accelerators per replica, "
-                    f"workerpool0 {primary.accelerator_count}; the launcher gives every "
-                    f"replica workerpool0's count")))
-            if pool.machine_type != primary.machine_type:
-                self.notes.append(("memory", (
-                    f"{where} runs on {pool.machine_type}, workerpool0 on "
-                    f"{primary.machine_type}; the memory limit of every replica is "
-                    f"workerpool0's")))
 
     # --- value types ---
 

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from enum import Enum
+from typing import Any
 
 
 class JobState(str, Enum):
@@ -35,6 +37,14 @@ STATUS_STOCKOUT = 69   # EX_UNAVAILABLE
 STATUS_INTERNAL = 70   # EX_SOFTWARE
 STATUS_TIMEOUT = 124   # as timeout(1)
 STATUS_CANCELLED = 130  # as a shell after Ctrl-C
+# The job SUCCEEDED, but a --chaos fault set at a fixed time or step never fired: the
+# resilience test did not happen, and a CI job must not pass for it (EX_CONFIG: the test's
+# configuration does not fit the script or its length).
+STATUS_FAULT_NOT_FIRED = 78
+
+# error.details[].reason of the ErrorInfo that names a lost peer as the likely cause.
+REASON_PEER_LOST = "PEER_LOST"
+ERROR_DOMAIN = "resilient-train.local"
 
 
 @dataclass(frozen=True)
@@ -44,18 +54,58 @@ class JobError:
     code: int
     message: str
     exit_status: int
+    # google.rpc.Status details: typed entries (here google.rpc.ErrorInfo) for a machine.
+    details: tuple[Mapping[str, Any], ...] = ()
 
     def to_json(self) -> dict[str, object]:
-        return {"code": self.code, "message": self.message}
+        out: dict[str, object] = {"code": self.code, "message": self.message}
+        if self.details:
+            out["details"] = [dict(d) for d in self.details]
+        return out
+
+
+@dataclass(frozen=True)
+class PeerLoss:
+    """A replica's exit that likely followed from a peer's loss: the peer was lost
+    ``seconds`` before, and the replica's log shows a failed peer connection."""
+
+    peer: str
+    peer_cause: str      # a Cause value, or "exit N" for a crash
+    seconds: float
+    connection_error: str
+    restart_job_on_worker_restart: bool = False
+
+    def line(self, exit_code: int) -> str:
+        fixes = ["train under @rt.main (the survivors re-form in-process)",
+                 "wrap main in @rt.record (a lost peer then exits 134 and the job is retried)"]
+        if not self.restart_job_on_worker_restart:
+            fixes.append("set scheduling.restartJobOnWorkerRestart "
+                         "(--restart-job-on-worker-restart)")
+        return (f"Likely cause: {self.peer} was lost {self.seconds:.1f} s earlier "
+                f"({self.peer_cause}) and this replica's collective failed on its connection; "
+                f"the platform fails a job for this exit {exit_code}. To recover instead: "
+                + ", or ".join(fixes) + ".")
+
+    def detail(self, replica: str) -> dict[str, Any]:
+        # ErrorInfo's metadata is a map of strings.
+        return {"@type": "type.googleapis.com/google.rpc.ErrorInfo",
+                "reason": REASON_PEER_LOST, "domain": ERROR_DOMAIN,
+                "metadata": {"replica": replica, "peer": self.peer,
+                             "peer_cause": self.peer_cause,
+                             "seconds_after_peer_loss": f"{self.seconds:.3f}",
+                             "connection_error": self.connection_error}}
 
 
 def user_code_error(replica: str, exit_code: int, reason: str = "Error",
-                    excerpt: str | None = None) -> JobError:
+                    excerpt: str | None = None, peer_loss: PeerLoss | None = None) -> JobError:
     message = (f"The replica {replica} exited with a non-zero status of {exit_code}. "
                f"Termination reason: {reason}.")
+    if peer_loss is not None:   # right after the template, before the traceback
+        message += "\n" + peer_loss.line(exit_code)
     if excerpt:
         message += "\n" + excerpt
-    return JobError(CODE_INVALID_ARGUMENT, message, exit_code)
+    details = (peer_loss.detail(replica),) if peer_loss is not None else ()
+    return JobError(CODE_INVALID_ARGUMENT, message, exit_code, details)
 
 
 def infrastructure_error(replica: str, exit_code: int, reason: str) -> JobError:

@@ -158,6 +158,10 @@ MACHINE_TYPES: Mapping[str, MachineType] = _table(
     ("n1-standard-32", 32, 120, 0, None),
     ("n1-highmem-8", 8, 52, 0, None),
     ("n1-highmem-16", 16, 104, 0, None),
+    # The Reduction Server's usual shapes.
+    ("n1-highcpu-8", 8, 7.2, 0, None),
+    ("n1-highcpu-16", 16, 14.4, 0, None),
+    ("n1-highcpu-32", 32, 28.8, 0, None),
     ("n2-standard-8", 8, 32, 0, None),
     ("n2-standard-16", 16, 64, 0, None),
     ("n2-standard-32", 32, 128, 0, None),

@@ -27,11 +27,11 @@ from typing import IO, Any
 
 import psutil
 
-from ..errors import exit_code_for, read_error_report, traceback_excerpt
+from ..errors import exit_code_for, read_error_report
 from ..goodput import account
 from ..ports import free_port
 from ..telemetry import read_life, read_step, write_failures
-from .chaos import ChaosSchedule, ChaosSpec, FaultKind, ScheduledFault
+from .chaos import ChaosSchedule, ChaosSpec, FaultKind, ScheduledFault, UnfiredFault
 from .job import (
     Command,
     JobConfig,
@@ -41,8 +41,11 @@ from .job import (
     StartWorker,
     StopWorkers,
 )
-from .messages import STATUS_INTERNAL, JobState
+from .logtail import peer_connection_error, traceback_from_log
+from .machines import NODE_LOCAL_DIR_ENV, Machines
+from .messages import STATUS_FAULT_NOT_FIRED, STATUS_INTERNAL, JobState
 from .policy import Cause, Policy, Strategy
+from .programs import PoolProgram
 from .quota import Capacity, Lease, LocalQuota, Request, default_quota_dir
 from .record import (
     JOB_FILE,
@@ -84,6 +87,10 @@ _PSS_REFRESH_S = 1.0
 # session escapes a SIGKILLed launcher only if it was born less than this before.
 _SNAPSHOT_S = 0.5
 _PROC = sys.platform.startswith("linux") and os.path.isdir("/proc")
+# A KIND@stepN fault waits for the primary's steps, which only scripts under @rt.main (or
+# that report to the telemetry) send: a primary that has reported none this long into its
+# life, the job RUNNING, likely never will, and the launcher says so (once).
+NO_STEP_WARNING_S = 60.0
 
 
 class LaunchError(Exception):
@@ -113,6 +120,24 @@ class LaunchOptions:
     env: Mapping[str, str] = field(default_factory=lambda: dict(os.environ))
     quota_dir: Path | None = None
     memory_poll_s: float = 0.1
+    # Warn when a KIND@stepN fault waits and the primary has reported no step this long
+    # into its life (NO_STEP_WARNING_S; tests shorten it).
+    no_step_warning_s: float = NO_STEP_WARNING_S
+    # Per pool, instead of command / env / memory_limit / gpus_per_worker above.
+    programs: tuple[PoolProgram, ...] = ()
+    # Pools listed in every replica's CLUSTER_SPEC but not run (the platform's Reduction
+    # Server image, which is no training rank and has no command to run here).
+    listed_only: tuple[tuple[str, int], ...] = ()
+    # Every replica in the launcher's working directory instead of a view of its own
+    # (machines.py); TMPDIR and the node-local directory stay each replica's own.
+    shared_workdir: bool = False
+
+    def program(self, pool: str) -> PoolProgram:
+        """What the replicas of ``pool`` run."""
+        for p in self.programs:
+            if p.pool == pool:
+                return p
+        return PoolProgram(pool, self.command, {}, self.memory_limit, self.gpus_per_worker)
 
 
 class _Worker:
@@ -239,9 +264,8 @@ class _Worker:
         self.reported_oom = report is not None and report.classification == "oom"
         if report is not None and (report.traceback or report.message):
             return report.excerpt() or report.message
-        lines = list(self.tail)
-        starts = [i for i, line in enumerate(lines) if line.startswith("Traceback")]
-        return traceback_excerpt("\n".join(lines[starts[-1]:])) if starts else None
+        # torch's "[rank0]: " tags stripped, its C++ log lines left out (logtail.py).
+        return traceback_from_log(self.tail)
 
 
 def _load_prctl() -> Any:
@@ -350,7 +374,13 @@ class Launcher:
         self._echo_sink = echo or (lambda line: None)
         self._echo_workers = echo_workers
         self.clock = clock
-        self.replicas = replicas_for(options.pools)
+        listed_only = {pool for pool, _ in options.listed_only}
+        if listed_only & {pool for pool, _ in options.pools}:
+            raise LaunchError(f"pools {sorted(listed_only)} are listed only, and also run")
+        # CLUSTER_SPEC lists every pool; the launcher runs those with a program.
+        listed = replicas_for(options.pools + options.listed_only)
+        self.replicas = tuple(r for r in listed if r.pool not in listed_only)
+        self._programs = {pool: options.program(pool) for pool, _ in options.pools}
         self._by_name = {r.name: r for r in self.replicas}
         # Absolute: the paths handed to workers (error reports, telemetry, AIP_*) must hold
         # for a worker that changes directory.
@@ -371,10 +401,10 @@ class Launcher:
         if "://" not in output:
             output = os.path.abspath(output)
         self.env = JobEnv(
-            job_id=options.job_name, replicas=self.replicas, master_addr="127.0.0.1",
+            job_id=options.job_name, replicas=listed, master_addr="127.0.0.1",
             master_port=free_port(),  # outside the ephemeral range: see ports.py
             output_base=output.rstrip("/"), job_dir=str(self.job_dir),
-            launch_id=uuid.uuid4().hex)
+            launch_id=uuid.uuid4().hex, running=len(self.replicas))
         self._watchdog: _Watchdog | None = None
         self.workers: dict[str, _Worker] = {}
         self._launcher_started = _process_start_time(os.getpid())
@@ -382,6 +412,9 @@ class Launcher:
         self._failure_log: tuple[float, int] | None = None   # what failures.json says
         self._pending_faults: list[ScheduledFault] = []
         self._stalls: dict[str, tuple[_Worker, Stall]] = {}   # hung or slowed lives, by name
+        self._last_step: int | None = None   # the highest step the primary reported
+        self._step_life: tuple[_Worker, float] | None = None   # primary life watched, since
+        self._warned_no_steps = False
         self._rng = random.Random(options.seed)
         quota_dir = options.quota_dir or default_quota_dir(options.env)
         capacity = Capacity(detect_gpus(options.env), _cpu_slots(options.env))
@@ -391,11 +424,18 @@ class Launcher:
             raise LaunchError(
                 f"cannot use the quota directory {quota_dir}: {exc.strerror or exc}; set "
                 "RESILIENT_TRAIN_QUOTA_DIR to a writable directory") from None
-        self._request = Request(gpus=options.gpus_per_worker * len(self.replicas),
+        self._request = Request(gpus=sum(self._gpus(r) for r in self.replicas),
                                 cpu_slots=options.cpu_slots)
         self._lease: Lease | None = None
         # Last of the checks, so that a bad option leaves no empty job directory behind.
         self._prepare_job_dir()
+        try:
+            self.machines = Machines(self.job_dir, self.env.launch_id,
+                                     source=None if options.shared_workdir else Path.cwd(),
+                                     tmp_base=options.env.get("TMPDIR"))
+        except OSError as exc:
+            raise LaunchError(f"{exc}; pass --shared-workdir to run every replica in it "
+                              f"as it is") from None
         self._wants_capacity = False
         self._quota_note_shown = False
         self._cancel_requests = 0
@@ -456,17 +496,24 @@ class Launcher:
     def _record(self) -> dict[str, Any]:
         rec = self.machine.to_record()
         rec["job_spec"] = {
-            "command": mask_command(self.options.command),   # no --token=... on disk
-            "worker_pool_specs": [{"pool": p, "replica_count": n,
-                                   "gpus_per_replica": self.options.gpus_per_worker,
-                                   "memory_limit_bytes": self.options.memory_limit}
-                                  for p, n in self.options.pools],
+            "command": mask_command(self.options.program("workerpool0").command),  # no --token=...
+            "worker_pool_specs": [
+                {"pool": p, "replica_count": n,
+                 "command": mask_command(self._programs[p].command),
+                 "gpus_per_replica": self._programs[p].gpus_per_replica,
+                 "memory_limit_bytes": self._programs[p].memory_limit}
+                for p, n in self.options.pools]
+            + [{"pool": p, "replica_count": n, "listed_only": True}
+               for p, n in self.options.listed_only],
             "base_output_directory": self.env.output_base,
             "master_port": self.env.master_port,
         }
         rec["job_dir"] = str(self.job_dir)
         if self.machine.state.terminal:
             rec["goodput"] = self._goodput()
+            if self.options.chaos:
+                rec["unfired_faults"] = [u.to_json() for u in self.unfired_faults()]
+            rec["exit_status"] = self.exit_status   # the launcher's, as run() returns it
         # Lets `status` tell a live job from the record of a launcher that was killed.
         rec["launcher"] = {"pid": os.getpid(), "host": socket.gethostname(),
                            "started": self._launcher_started}
@@ -506,8 +553,8 @@ class Launcher:
                     for seg in read_life(prefix).segments]
         return account(segments, start, end).to_json() if segments else None
 
-    def note(self, message: str, kind: str = "fault") -> None:
-        self.machine.note(self.clock(), message, kind)
+    def note(self, message: str, kind: str = "fault", **extra: Any) -> None:
+        self.machine.note(self.clock(), message, kind, **extra)
 
     # --- the loop ---------------------------------------------------------------------
 
@@ -538,11 +585,32 @@ class Launcher:
         finally:
             self._release()
             watchdog.close()
+            self.machines.close()
             restore()
             os.close(self._wake_r)
             os.close(self._wake_w)
-        status = self.machine.exit_status
+        status = self.exit_status
         return 0 if status is None else status
+
+    def unfired_faults(self) -> list[UnfiredFault]:
+        """The ``--chaos`` items that never fired, with why; empty until the job is over."""
+        m = self.machine
+        if not self.options.chaos or not m.state.terminal:
+            return []
+        ran_for = (m.end_time - m.start_time
+                   if m.start_time is not None and m.end_time is not None else None)
+        return self.chaos.never_fired(ran_for=ran_for, last_step=self._last_step,
+                                      pending=self._pending_faults)
+
+    @property
+    def exit_status(self) -> int | None:
+        """The launcher's exit status once the job is over: the machine's, except that a
+        job that SUCCEEDED while a fault set at a fixed time or step never fired exits
+        STATUS_FAULT_NOT_FIRED (the resilience test did not happen)."""
+        status = self.machine.exit_status
+        if status == 0 and any(not u.random for u in self.unfired_faults()):
+            return STATUS_FAULT_NOT_FIRED
+        return status
 
     def _step(self) -> None:
         now = self.clock()
@@ -558,7 +626,7 @@ class Launcher:
                 self.note(f"{w.replica.name}: grace period over, SIGKILL", kind="signal")
                 w.kill_at = None
                 w.signal(signal.SIGKILL)
-        if self.options.memory_limit is not None:
+        if self._memory_limited:
             self._check_memory()
         self._inject_faults(now)
         due = [cmd for t, cmd in self._delayed if t <= now]
@@ -582,7 +650,7 @@ class Launcher:
                 deadlines.append(self.machine.start_time + fault_at)
         deadlines += [t for _, st in self._stalls.values() if (t := st.deadline()) is not None]
         timeout = _SNAPSHOT_S if self.workers and _PROC else 1.0
-        if self.options.memory_limit is not None and self.workers:
+        if self._memory_limited and self.workers:
             timeout = min(timeout, self.options.memory_poll_s)
         if self._wants_capacity or self._pending_faults:
             timeout = min(timeout, 0.25)
@@ -629,17 +697,26 @@ class Launcher:
             return []
         replica = self._by_name[cmd.replica]
         o = self.options
+        program = self._programs[replica.pool]
         gpu_ids = None
-        if self._lease is not None and o.gpus_per_worker:
-            i = self.replicas.index(replica)
-            gpu_ids = self._lease.gpu_ids[i * o.gpus_per_worker:(i + 1) * o.gpus_per_worker]
+        if self._lease is not None and program.gpus_per_replica:
+            # Each replica's GPUs follow those of the replicas before it, in rank order.
+            first = sum(self._gpus(r) for r in self.replicas[:self.replicas.index(replica)])
+            gpu_ids = self._lease.gpu_ids[first:first + program.gpus_per_replica]
         elif self._quota_capacity_has_gpus():
             gpu_ids = ()  # a replica without accelerators sees none, as on the platform
         report = report_path(self.job_dir, cmd.attempt, replica.name, cmd.restart)
         report.parent.mkdir(parents=True, exist_ok=True)
         report.unlink(missing_ok=True)
+        placement = self.machines.prepare(replica.name, new_vm=cmd.new_vm)
+        if placement.wiped or placement.kept:
+            where = "a new VM" if cmd.new_vm else "the same VM, a new container"
+            self.note(f"{replica.name}: restarted on {where}: "
+                      + "; ".join([*(f"{w} wiped" for w in placement.wiped),
+                                   *(f"{k} kept" for k in placement.kept)]), kind="machine")
         env = worker_env(self.env, replica, attempt=cmd.attempt, restart=cmd.restart,
-                         error_file=str(report), gpu_ids=gpu_ids, base=o.env,
+                         error_file=str(report), gpu_ids=gpu_ids,
+                         base={**o.env, **program.env}, placement=placement,
                          telemetry=str(telemetry_prefix(self.job_dir, cmd.attempt,
                                                         replica.name, cmd.restart)),
                          observed_mtbf_s=self._observed_mtbf(now=self.clock()),
@@ -652,14 +729,15 @@ class Launcher:
         now = self.clock()
         try:
             popen = subprocess.Popen(
-                list(o.command), env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                list(program.command), env=env, cwd=placement.workdir,
+                stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                 stderr=subprocess.STDOUT, start_new_session=True,
                 # Only prctl and getppid run between fork and exec (no locks, no imports).
                 preexec_fn=_pdeathsig_preexec(os.getpid()) if _PRCTL is not None else None,  # noqa: PLW1509
             )
         except (FileNotFoundError, PermissionError, NotADirectoryError) as exc:
             # As on the platform: a command that cannot start is exit 128, StartError.
-            msg = f"cannot start {o.command[0]!r}: {exc.strerror or exc}"
+            msg = f"cannot start {program.command[0]!r}: {exc.strerror or exc}"
             out.write((msg + "\n").encode())
             out.close()
             self.echo(f"[{replica.name}] {msg}")
@@ -694,18 +772,35 @@ class Launcher:
             w.kill_at = deadline if w.kill_at is None else min(w.kill_at, deadline)
 
     def _reap(self, now: float) -> None:
-        for name, w in list(self.workers.items()):
-            rc = w.popen.poll()
-            if rc is None:
-                continue
+        ended = [(name, w, rc) for name, w in list(self.workers.items())
+                 if (rc := w.popen.poll()) is not None]
+        # Deaths by a signal first (faults, kills from outside, crashes): when a killed peer
+        # and the survivor whose collective failed on it are reaped together, the loss is
+        # the cause and is on record before the survivor's exit is judged.
+        ended.sort(key=lambda item: not (item[1].cause is not None or item[2] < 0))
+        for name, w, rc in ended:
             del self.workers[name]
             outside = w.cause is None and not w.signalled and -rc in _OUTSIDE_SIGNALS
             excerpt = w.finish(self._sweep)   # (signals what is left of the tree)
+            self._note_written(name)
             code = exit_code_for(rc)
             cause = w.cause or (Cause.OOM if w.reported_oom and code != 0 else Cause.EXIT)
             if outside:
                 cause = self._killed_from_outside(w, -rc)
-            self._execute(self.machine.worker_exited(name, code, cause, now, excerpt=excerpt))
+            # w.tail is complete: finish() waited for the log reader.
+            connection_error = peer_connection_error(w.tail) if code else None
+            self._execute(self.machine.worker_exited(name, code, cause, now, excerpt=excerpt,
+                                                     connection_error=connection_error))
+
+    def _note_written(self, name: str) -> None:
+        """Say, once per file, what a replica wrote to its working directory: on the
+        platform that is its container's own disk."""
+        for entry in self.machines.written(name):
+            self.note(f"{name} wrote {entry} in its working directory: on the platform that "
+                      f"is its container's own disk, which the other replicas do not see and "
+                      f"a restart wipes; write what must last under AIP_CHECKPOINT_DIR "
+                      f"(shared), or {NODE_LOCAL_DIR_ENV} (its VM's disk, kept by a restart "
+                      f"in place)", kind="machine")
 
     def _killed_from_outside(self, w: _Worker, signum: int) -> Cause:
         """A worker dead of a signal that the launcher did not send and that a program does
@@ -773,12 +868,37 @@ class Launcher:
         if self.chaos.waits_for_steps:
             step = self._primary_step()
             if step is not None:
+                self._last_step = max(step, self._last_step or 0)
                 self._pending_faults.extend(self.chaos.due_at_step(step))
+            else:
+                self._warn_no_steps(now)
         waiting = []
         for fault in self._pending_faults:
-            if not self._inject(fault, now):
+            if self._inject(fault, now):
+                self.chaos.fired(fault)
+            else:
                 waiting.append(fault)   # its target is between lives: hit the next one
         self._pending_faults = waiting
+
+    def _warn_no_steps(self, now: float) -> None:
+        """Once per job: step faults wait, and the primary's life has reported no step
+        ``no_step_warning_s`` into RUNNING (its script likely reports none)."""
+        w = self.workers.get(self.replicas[0].name)
+        if self._warned_no_steps or w is None or self.machine.state is not JobState.RUNNING:
+            return
+        if self._step_life is None or self._step_life[0] is not w:
+            self._step_life = (w, now)   # a new life (or RUNNING just began): count afresh
+            return
+        waited = now - self._step_life[1]
+        if waited < self.options.no_step_warning_s:
+            return
+        self._warned_no_steps = True
+        faults = ", ".join(self.chaos.waiting_for_steps())
+        self.note(f"chaos: {faults} cannot fire yet: the primary {w.replica.name} has "
+                  f"reported no step {waited:.0f} s into its life, and only a script under "
+                  f"@rt.main (ctx.steps) reports steps; against one that does not, a "
+                  f"KIND@stepN fault never fires: give it a time instead (e.g. kill:1@30s)",
+                  kind="warning")
 
     def _primary_step(self) -> int | None:
         """Steps the primary's current life has finished (its telemetry), for faults
@@ -799,14 +919,16 @@ class Launcher:
                 return False
             self.note(f"chaos: {fault.kind.value} (whole job) at "
                       + (f"step {fault.at_step}" if fault.at_step is not None
-                         else f"{now - self.machine.create_time:.1f} s"))
+                         else f"{now - self.machine.create_time:.1f} s"), cause=cause.value)
             self._execute(self.machine.job_fault(cause, now))
             return True
         w = self.workers.get(fault.target or "")
         if w is None or w.cause is not None or w.kill_at is not None:
             return False
+        # replica and cause: a peer's exit soon after is put down to this loss (job.py).
         self.note(f"chaos: {fault.kind.value} on {w.replica.name}"
-                  + (f" at step {fault.at_step}" if fault.at_step is not None else ""))
+                  + (f" at step {fault.at_step}" if fault.at_step is not None else ""),
+                  replica=w.replica.name, cause=cause.value)
         w.cause = cause
         w.snapshot_tree()
         if fault.kind.has_grace:
@@ -894,11 +1016,17 @@ class Launcher:
         w.pss, w.pss_rss, w.pss_at = tree_pss(w.mem_tree), rss, now
         return w.pss
 
+    @property
+    def _memory_limited(self) -> bool:
+        return any(p.memory_limit is not None for p in self._programs.values())
+
+    def _gpus(self, replica: Replica) -> int:
+        return self._programs[replica.pool].gpus_per_replica
+
     def _check_memory(self) -> None:
-        limit = self.options.memory_limit
-        assert limit is not None
         for w in self.workers.values():
-            if w.cause is not None:
+            limit = self._programs[w.replica.pool].memory_limit
+            if w.cause is not None or limit is None:
                 continue
             used = self._tree_memory(w, limit)
             if used > limit:

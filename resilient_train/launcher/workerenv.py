@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from ..cluster import cluster_spec_json, tf_config_json
 from ..errors import ERROR_FILE_ENV
 from ..telemetry import FAILURES_ENV, OBSERVED_MTBF_ENV, TELEMETRY_ENV
+from .machines import NODE_LOCAL_DIR_ENV, Placement
 
 # Pools 0 (primary) and 1 (workers) form the training process group; pools 2 (parameter
 # or reduction servers) and 3 (evaluators) do not.
@@ -62,6 +63,7 @@ class JobEnv:
     # The rendezvous store's secret (distributed/storeauth.py), new per launch. Only the
     # replicas' environment carries it: never the job record, the logs or a repr.
     job_secret: str = field(default_factory=lambda: secrets.token_hex(32), repr=False)
+    running: int = 0   # replicas that run on this machine (0: all of ``replicas``)
 
 
 LOCAL_PROJECT_NUMBER = "000000000000"
@@ -70,7 +72,8 @@ LOCAL_PROJECT_NUMBER = "000000000000"
 def worker_env(job: JobEnv, replica: Replica, *, attempt: int, restart: int,
                error_file: str, gpu_ids: Sequence[int] | None,
                base: Mapping[str, str], telemetry: str = "",
-               observed_mtbf_s: float | None = None, failures_file: str = "") -> dict[str, str]:
+               observed_mtbf_s: float | None = None, failures_file: str = "",
+               placement: Placement | None = None) -> dict[str, str]:
     cluster: dict[str, list[str]] = {}
     for i, r in enumerate(job.replicas):
         # Locally every replica is this host; ports are distinct so the addresses are too.
@@ -125,6 +128,11 @@ def worker_env(job: JobEnv, replica: Replica, *, attempt: int, restart: int,
         env[OBSERVED_MTBF_ENV] = f"{observed_mtbf_s:.1f}"
     else:
         env.pop(OBSERVED_MTBF_ENV, None)
+    if placement is not None:   # the replica's own machine (machines.py)
+        env["TMPDIR"] = str(placement.tmpdir)
+        env[NODE_LOCAL_DIR_ENV] = str(placement.node_local)
+        if placement.workdir is not None:
+            env["PWD"] = str(placement.workdir)
     if gpu_ids is not None:
         env["CUDA_VISIBLE_DEVICES"] = ",".join(str(g) for g in gpu_ids)
     if sys.platform.startswith("linux"):
@@ -134,7 +142,7 @@ def worker_env(job: JobEnv, replica: Replica, *, attempt: int, restart: int,
     # On the platform each replica has its VM's cores; here they share this machine's.
     # Without a share each process starts one thread per core, and N replicas thrash
     # (we measured a 2-worker CPU job 6x slower). torchrun sets 1 for the same reason.
-    env.setdefault("OMP_NUM_THREADS", str(cpu_share(len(job.replicas))))
+    env.setdefault("OMP_NUM_THREADS", str(cpu_share(job.running or len(job.replicas))))
     return env
 
 
