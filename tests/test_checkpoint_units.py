@@ -184,6 +184,21 @@ def test_cli_list_verify_and_prune(tmp_path: Path, capsys: pytest.CaptureFixture
     assert sorted(p.name for p in directory.iterdir()) == [step_dirname(s) for s in (2, 4)]
 
 
+def test_cli_finds_a_launcher_jobs_checkpoints_from_its_job_directory(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    job_dir = tmp_path / "rt-jobs" / "run-1"
+    output = tmp_path / "elsewhere"          # --output-dir: not under the job directory
+    (output / "checkpoints").parent.mkdir(parents=True)
+    saved_dir(tmp_path).rename(output / "checkpoints")
+    job_dir.mkdir(parents=True)
+    (job_dir / "job.json").write_text(json.dumps(
+        {"name": "run-1", "job_spec": {"base_output_directory": str(output)}}))
+    assert cli.main(["checkpoints", "list", str(job_dir), "--json"]) == 0
+    captured = capsys.readouterr()
+    assert [r["step"] for r in json.loads(captured.out)] == [2, 3, 4]
+    assert f"its checkpoints are in {output}/checkpoints" in captured.err
+
+
 @pytest.mark.parametrize("action", ["list", "verify", "prune"])
 def test_cli_on_a_path_that_is_not_there_is_an_error(
         tmp_path: Path, capsys: pytest.CaptureFixture[str], action: str) -> None:

@@ -87,6 +87,9 @@ _PSS_REFRESH_S = 1.0
 # session escapes a SIGKILLed launcher only if it was born less than this before.
 _SNAPSHOT_S = 0.5
 _PROC = sys.platform.startswith("linux") and os.path.isdir("/proc")
+# How often the replicas' working directories are looked at for files they wrote (one
+# scandir each), so the line naming such a file comes soon after it was written.
+_WRITTEN_CHECK_S = 1.0
 # A KIND@stepN fault waits for the primary's steps, which only scripts under @rt.main (or
 # that report to the telemetry) send: a primary that has reported none this long into its
 # life, the job RUNNING, likely never will, and the launcher says so (once).
@@ -439,6 +442,7 @@ class Launcher:
         self._wants_capacity = False
         self._quota_note_shown = False
         self._cancel_requests = 0
+        self._written_checked = float("-inf")   # when the working directories were looked at
         self._printed_events = 0
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_w, False)
@@ -616,6 +620,10 @@ class Launcher:
         now = self.clock()
         self._reap(now)
         self._snapshot_trees()
+        if now - self._written_checked >= _WRITTEN_CHECK_S:
+            self._written_checked = now
+            for name in self.workers:
+                self._note_written(name)
         if self._cancel_requests:
             self._execute(self.machine.cancel(now))
             if self._cancel_requests > 1:
