@@ -202,8 +202,8 @@ class StallGuard:
                 data = os.read(self._read_fd, 64)
             except OSError:
                 return
-            if not data:
-                return
+            if not data or self._write_fd == -1:
+                return   # closed
             if signal.SIGTERM in data and self._main_stuck():
                 self._stalled()
 
@@ -250,8 +250,14 @@ class StallGuard:
                 logger.debug("the wakeup descriptor changed hands while the guard was on")
         except ValueError:
             pass
-        os.close(self._write_fd)   # the reader sees end-of-file and stops
-        self._write_fd = -1
+        # A byte, not only end-of-file, wakes the reader: forked DataLoader workers hold
+        # copies of the write end, so closing ours would not end its read.
+        fd, self._write_fd = self._write_fd, -1
+        try:
+            os.write(fd, b"\0")
+        except OSError:
+            pass
+        os.close(fd)
         if self._thread is not None:
             self._thread.join(timeout=5.0)
         os.close(self._read_fd)

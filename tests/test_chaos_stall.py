@@ -146,14 +146,14 @@ def test_a_replica_hung_for_good_gets_sigcont_before_the_sigterm_of_the_jobs_end
 
 # --------------------------------------------------------------------------- the promise
 
-STEPS, SAVE_EVERY = 100, 10
+STEPS, SAVE_EVERY = 40, 10
 
 
 def ddp_job(e2e: E2E, name: str, *args: str) -> tuple[dict[str, Any], str, float]:
     t0 = time.monotonic()
     status, job, out = e2e.launch(
         "--workers", "3", "--grace", "10s", *args, name=name,
-        script=[PY, str(WORKERS / "ddp_bitwise.py"), str(STEPS), str(SAVE_EVERY), "0.02", "4"])
+        script=[PY, str(WORKERS / "ddp_bitwise.py"), str(STEPS), str(SAVE_EVERY), "0.02", "3"])
     elapsed = time.monotonic() - t0
     assert status == 0, out[-4000:]
     assert job["state"] == "JOB_STATE_SUCCEEDED" and job["error"] is None
@@ -170,13 +170,13 @@ def test_a_hung_worker_of_three_ends_in_a_job_retry_with_bitwise_equal_weights(
         e2e: E2E, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("RESILIENT_TRAIN_FORM_TIMEOUT_S", "15")
     clean, _, clean_s = ddp_job(e2e, "clean")
-    job, out, hung_s = ddp_job(e2e, "hung", "--chaos", "hang:1@step40")
+    job, out, hung_s = ddp_job(e2e, "hung", "--chaos", "hang:1@step20")
     first = job["attempts"][0]["replicas"]
     # The survivors' hang watchdogs fired (exit 134, transient): the platform retried the
     # job, which restarted every replica, the stopped one included.
     assert 134 in first[PRIMARY]["exit_codes"] + first["workerpool1-1"]["exit_codes"], first
     assert len(job["attempts"]) == 2 and job["budgets"]["job_retries"]["used"] == 1
-    assert "chaos: hang on workerpool1-0 at step 40" in event_messages(job)
+    assert "chaos: hang on workerpool1-0 at step 20" in event_messages(job)
     assert "hang: no training step finished for" in out
     assert out.count("resumed from step") >= 3            # every rank, in attempt 2
     assert len(clean["attempts"]) == 1

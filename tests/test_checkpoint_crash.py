@@ -7,7 +7,8 @@ run: the child restores the latest checkpoint like a restarted job, then saves e
 weights follow a known formula (`crash_model`: step k's weights are exactly base + k). The
 parent SIGKILLs the child at the instant the test drew from a seeded RNG and reports where
 the child was (restore / between saves / snapshot / writing data / manifest / marker /
-commit / retention, from a shared memory page the child updates).
+commit / retention, from a shared memory page the child updates). Three such parents work
+at the same time, each killing into its own share of the directories.
 
 After every kill, in the test process, with fresh objects:
   * ``restore_latest()`` returns None only if nothing was ever reported committed (and no
@@ -30,6 +31,7 @@ import sys
 import threading
 from collections import Counter
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
@@ -99,6 +101,8 @@ class Saver:
     """The warm parent process; one JSON command in, one JSON answer out."""
 
     def __init__(self, log_path: Path) -> None:
+        """Starts the process; ``wait_ready`` waits for its imports (started first, several
+        savers import torch at the same time)."""
         self.log_path = log_path
         self._log = open(log_path, "wb")  # noqa: SIM115 - closed in stop()
         env = dict(os.environ, GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT="false", PYTHONUNBUFFERED="1")
@@ -107,6 +111,8 @@ class Saver:
         self._lines: queue.Queue[bytes] = queue.Queue()
         assert self.proc.stdout is not None
         threading.Thread(target=self._pump, args=(self.proc.stdout,), daemon=True).start()
+
+    def wait_ready(self) -> None:
         assert self._answer()["event"] == "ready"
 
     def _pump(self, out: IO[bytes]) -> None:
@@ -146,13 +152,24 @@ class Saver:
         self._log.close()
 
 
-@pytest.fixture
-def saver(tmp_path: Path) -> Iterator[Saver]:
-    s = Saver(tmp_path / "saver.log")
+# Warm parents killing into different directories at the same time: a kill costs mostly
+# the wait for its instant and the checks after it, which overlap well (three GCS
+# buckets: one each).
+SAVERS = 3
+
+
+@pytest.fixture(scope="module")
+def savers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[Saver]]:
+    """The warm parents, shared by both tests (a saver keeps no state between runs)."""
+    logs = tmp_path_factory.mktemp("savers")
+    started = [Saver(logs / f"saver-{i}.log") for i in range(SAVERS)]
     try:
-        yield s
+        for s in started:
+            s.wait_ready()
+        yield started
     finally:
-        s.stop()
+        with ThreadPoolExecutor(len(started)) as pool:   # each takes a moment to exit
+            list(pool.map(Saver.stop, started))
 
 
 # --- the checks ------------------------------------------------------------------------------
@@ -189,9 +206,8 @@ class Directory:
         return committed, restored
 
 
-def kill_once(saver: Saver, d: Directory, rng: random.Random) -> dict[str, Any]:
+def kill_once(saver: Saver, d: Directory, delay: float) -> dict[str, Any]:
     d.work.mkdir(parents=True, exist_ok=True)
-    delay = rng.uniform(0.0, d.config.max_delay_s)
     answer = saver.run(url=d.url, storage_options=d.storage_options,
                        async_save=d.config.async_save, numel=d.config.numel,
                        train_s=d.config.train_s, keep_last=2, report=str(d.report),
@@ -266,20 +282,31 @@ def summarise(title: str, answers: list[dict[str, Any]], dirs: list[Directory]) 
     return places
 
 
-def crash_loop(saver: Saver, dirs: list[Directory], kills_per_dir: int, seed: int
+def crash_loop(savers: list[Saver], dirs: list[Directory], kills_per_dir: int, seed: int
                ) -> list[dict[str, Any]]:
+    """``kills_per_dir`` kills into each directory, one after the other (each starts from
+    what the previous left); the directories are shared out among the savers, which work
+    at the same time. The kill instants are drawn first, directory by directory, so they
+    depend on the seed alone. Answers come back in that order."""
     rng = random.Random(seed)
-    answers = []
-    for d in dirs:
-        for _ in range(kills_per_dir):
-            answers.append(kill_once(saver, d, rng))
-    return answers
+    delays = [[rng.uniform(0.0, d.config.max_delay_s) for _ in range(kills_per_dir)]
+              for d in dirs]
+
+    def one_saver(i: int) -> dict[int, list[dict[str, Any]]]:
+        return {j: [kill_once(savers[i], dirs[j], delay) for delay in delays[j]]
+                for j in range(i, len(dirs), len(savers))}
+
+    by_dir: dict[int, list[dict[str, Any]]] = {}
+    with ThreadPoolExecutor(len(savers)) as pool:
+        for done in pool.map(one_saver, range(len(savers))):  # re-raises a failed check
+            by_dir.update(done)
+    return [a for j in range(len(dirs)) for a in by_dir[j]]
 
 
-def test_sigkill_during_saves_local_disk(saver: Saver, tmp_path: Path) -> None:
+def test_sigkill_during_saves_local_disk(savers: list[Saver], tmp_path: Path) -> None:
     dirs = [Directory(str(tmp_path / f"ckpt-{i}"), None, c, tmp_path / f"work-{i}")
             for i, c in enumerate(LOCAL_CONFIGS)]
-    answers = crash_loop(saver, dirs, LOCAL_KILLS_PER_DIR, SEED)
+    answers = crash_loop(savers, dirs, LOCAL_KILLS_PER_DIR, SEED)
     places = summarise("local disk", answers, dirs)
     assert len(answers) == 100
     # The kills really spread over the save: most land inside one, some between saves,
@@ -294,12 +321,12 @@ def test_sigkill_during_saves_local_disk(saver: Saver, tmp_path: Path) -> None:
     assert sum(d.restored is not None for d in dirs) >= 8, [d.restored for d in dirs]
 
 
-def test_sigkill_during_saves_gcs_emulator(saver: Saver, tmp_path: Path,
+def test_sigkill_during_saves_gcs_emulator(savers: list[Saver], tmp_path: Path,
                                            gcs_server: Any) -> None:
     options = {"endpoint_url": gcs_server.endpoint, "token": "anon"}
     dirs = [Directory(f"gs://{gcs_server.create_bucket()}/run", options, c,
                       tmp_path / f"work-{i}") for i, c in enumerate(GCS_CONFIGS)]
-    answers = crash_loop(saver, dirs, GCS_KILLS_PER_BUCKET, SEED + 1)
+    answers = crash_loop(savers, dirs, GCS_KILLS_PER_BUCKET, SEED + 1)
     places = summarise("GCS emulator", answers, dirs)
     assert len(answers) == 30
     mid = sum(n for k, n in places.items() if k.startswith("mid-save"))
