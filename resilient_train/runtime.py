@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from . import sigterm
 from .errors import record
 from .telemetry import Telemetry
+from .validate import NONE, expect_type
 
 if TYPE_CHECKING:  # torch-heavy: loaded when a training script builds them
     from .checkpoint.manager import CheckpointOptions
@@ -61,22 +62,17 @@ class MainOptions:
         if self.checkpoint is not None:
             from .checkpoint.manager import CheckpointOptions  # loaded: the caller built one
 
-            if not isinstance(self.checkpoint, CheckpointOptions):
-                raise TypeError(f"MainOptions.checkpoint={self.checkpoint!r}: expected "
-                                f"rt.CheckpointOptions(...), or None for its defaults")
+            expect_type("MainOptions.checkpoint", self.checkpoint, CheckpointOptions,
+                        "rt.CheckpointOptions(...), or None for its defaults")
         if self.distributed is not None:
             from .distributed.group import DistributedOptions
 
-            if not isinstance(self.distributed, DistributedOptions):
-                raise TypeError(f"MainOptions.distributed={self.distributed!r}: expected "
-                                f"rt.DistributedOptions(...), or None for its defaults")
-        if not isinstance(self.final_save, bool):
-            raise TypeError(f"MainOptions.final_save={self.final_save!r}: expected True or "
-                            f"False")
+            expect_type("MainOptions.distributed", self.distributed, DistributedOptions,
+                        "rt.DistributedOptions(...), or None for its defaults")
+        expect_type("MainOptions.final_save", self.final_save, bool, "True or False")
         mine = self.save_on_sigterm
-        if mine is not None and not isinstance(mine, bool):
-            raise TypeError(f"MainOptions.save_on_sigterm={mine!r}: expected True, False or "
-                            f"None (the checkpoint options decide)")
+        expect_type("MainOptions.save_on_sigterm", mine, (bool, NONE),
+                    "True, False or None (the checkpoint options decide)")
         theirs = self.checkpoint.save_on_sigterm if self.checkpoint is not None else None
         if mine is not None and theirs is not None and mine != theirs:
             raise ValueError(

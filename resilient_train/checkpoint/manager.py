@@ -49,6 +49,7 @@ import torch
 from .. import __version__, sigterm
 from ..errors import Classification, PermanentError, TransientError, classify_exception
 from ..telemetry import ObservedMtbf
+from ..validate import NONE, expect_type
 from . import fileio
 from .coordination import Coordinator, default_coordinator
 from .manifest import (
@@ -138,9 +139,8 @@ class CheckpointOptions:
         if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 1):
             raise ValueError(f"CheckpointOptions.save_every_steps={n!r}: expected a whole "
                              f"number >= 1, or None (no step-based saves)")
-        if self.policy is not None and not isinstance(self.policy, SavePolicy):
-            raise TypeError(f"CheckpointOptions.policy={self.policy!r}: expected a save "
-                            f"policy such as rt.every_n_steps(1000) or rt.auto_interval()")
+        expect_type("CheckpointOptions.policy", self.policy, (SavePolicy, NONE),
+                    "a save policy such as rt.every_n_steps(1000) or rt.auto_interval()")
         if n is not None and self.policy is not None:
             raise ValueError(
                 f"CheckpointOptions: save_every_steps={n} and policy={self.policy!r} both say "
@@ -152,23 +152,17 @@ class CheckpointOptions:
                              f"finite number of seconds, or None (no ceiling)")
         if self.policy is not None:
             check_ceiling(self.policy, m)
-        if not isinstance(self.retention, RetentionPolicy):
-            raise TypeError(f"CheckpointOptions.retention={self.retention!r}: expected "
-                            f"rt.RetentionPolicy(keep_last=...)")
-        if not isinstance(self.retry, RetryOptions):
-            raise TypeError(f"CheckpointOptions.retry={self.retry!r}: expected "
-                            f"rt.RetryOptions(...)")
-        for name in ("async_save", "save_on_sigterm"):
-            value = getattr(self, name)
-            if not isinstance(value, bool) and not (name == "save_on_sigterm" and value is None):
-                raise TypeError(f"CheckpointOptions.{name}={value!r}: expected True or False"
-                                + (" or None" if name == "save_on_sigterm" else ""))
+        expect_type("CheckpointOptions.retention", self.retention, RetentionPolicy,
+                    "rt.RetentionPolicy(keep_last=...)")
+        expect_type("CheckpointOptions.retry", self.retry, RetryOptions, "rt.RetryOptions(...)")
+        expect_type("CheckpointOptions.async_save", self.async_save, bool, "True or False")
+        expect_type("CheckpointOptions.save_on_sigterm", self.save_on_sigterm, (bool, NONE),
+                    "True or False or None")
         if not _positive_seconds(self.sync_interval_s):
             raise ValueError(f"CheckpointOptions.sync_interval_s={self.sync_interval_s!r}: "
                              f"expected a positive, finite number of seconds")
-        if self.storage_options is not None and not isinstance(self.storage_options, Mapping):
-            raise TypeError(f"CheckpointOptions.storage_options={self.storage_options!r}: "
-                            f"expected a dict of fsspec options, or None")
+        expect_type("CheckpointOptions.storage_options", self.storage_options, (Mapping, NONE),
+                    "a dict of fsspec options, or None")
         try:  # here, not at the first save hours from now (manifest.py writes it so)
             json.dumps(dict(self.metadata), sort_keys=True)
         except (TypeError, ValueError) as exc:

@@ -119,13 +119,7 @@ class JobSpec:
     concern (``command``, ``env``, ``gpus``, ``memory``, ``output``, ``fields``), so the
     CLI prints only those whose option the spec actually decided."""
 
-    pools: tuple[tuple[str, int], ...]
-    command: tuple[str, ...] | None          # pool 0's command + args; None: image's ENTRYPOINT
-    env: Mapping[str, str] = field(default_factory=lambda: MappingProxyType({}))
-    machine_type: str | None = None          # pool 0's
-    memory_limit: int | None = None          # from machine_type; None: not in the table
-    gpus_per_worker: int = 0                 # pool 0's acceleratorCount
-    accelerator_type: str | None = None
+    pool_specs: tuple[PoolSpec, ...]         # every pool that is not empty, in order
     output_dir: str | None = None            # baseOutputDirectory.outputUriPrefix
     timeout: float | None = None             # seconds
     max_wait: float | None = None            # seconds; 0 = wait forever
@@ -134,7 +128,35 @@ class JobSpec:
     disable_retries: bool | None = None
     display_name: str | None = None
     notes: tuple[tuple[str, str], ...] = ()
-    pool_specs: tuple[PoolSpec, ...] = ()    # every pool that is not empty, in order
+
+    # The primary's pool, and the pools' replica counts (what the pool specs say).
+    @property
+    def pools(self) -> tuple[tuple[str, int], ...]:
+        return tuple((p.pool, p.replicas) for p in self.pool_specs)
+
+    @property
+    def command(self) -> tuple[str, ...] | None:
+        return self.pool_specs[0].command
+
+    @property
+    def env(self) -> Mapping[str, str]:
+        return self.pool_specs[0].env
+
+    @property
+    def machine_type(self) -> str:
+        return self.pool_specs[0].machine_type
+
+    @property
+    def memory_limit(self) -> int | None:
+        return self.pool_specs[0].memory_limit
+
+    @property
+    def gpus_per_worker(self) -> int:
+        return self.pool_specs[0].accelerator_count
+
+    @property
+    def accelerator_type(self) -> str | None:
+        return self.pool_specs[0].accelerator_type
 
     def pool(self, name: str) -> PoolSpec | None:
         return next((p for p in self.pool_specs if p.pool == name), None)
@@ -385,16 +407,9 @@ class _Parser:
             self.notes.append(("fields", "not reproduced locally, ignored: "
                                + ", ".join(self.ignored)))
         return JobSpec(
-            pools=tuple((f"workerpool{pool.index}", pool.replicas) for pool in present),
-            command=primary.command,
-            env=MappingProxyType(dict(primary.env)),
-            machine_type=primary.machine_type,
-            memory_limit=pool_specs[0].memory_limit,
-            gpus_per_worker=primary.accelerator_count,
-            accelerator_type=primary.accelerator_type,
+            pool_specs=tuple(pool_specs),
             display_name=display_name,
             notes=tuple((topic, _bounded(text)) for topic, text in self.notes),
-            pool_specs=tuple(pool_specs),
             **out,
         )
 

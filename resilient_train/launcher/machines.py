@@ -71,6 +71,7 @@ class Machines:
         self.tmp_root = base / f"rt-{launch_id[:10]}"
         self.source = source
         self._reported: set[tuple[str, str]] = set()
+        self._linked: set[str] = set()   # names the views link to the launcher's directory
         self._lived: set[str] = set()
         if source is not None:
             try:
@@ -145,6 +146,7 @@ class Machines:
                 os.symlink(entry.path, workdir / entry.name)
             except FileExistsError:
                 pass
+            self._linked.add(entry.name)
 
     def _entries(self, path: Path, *, own_only: bool = False) -> list[str]:
         """Names in ``path`` (a directory shown with a trailing /); with ``own_only``, not
@@ -155,12 +157,8 @@ class Machines:
             return []
         out = []
         for entry in entries:
-            if own_only and self.source is not None and entry.is_symlink():
-                try:
-                    if os.readlink(entry.path) == os.path.join(self.source, entry.name):
-                        continue
-                except OSError:
-                    pass
+            if own_only and entry.name in self._linked and entry.is_symlink():
+                continue
             out.append(entry.name + ("/" if entry.is_dir(follow_symlinks=False) else ""))
         return sorted(out)
 

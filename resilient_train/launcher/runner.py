@@ -384,6 +384,7 @@ class Launcher:
         listed = replicas_for(options.pools + options.listed_only)
         self.replicas = tuple(r for r in listed if r.pool not in listed_only)
         self._programs = {pool: options.program(pool) for pool, _ in options.pools}
+        self._memory_limited = any(p.memory_limit is not None for p in self._programs.values())
         self._by_name = {r.name: r for r in self.replicas}
         # Absolute: the paths handed to workers (error reports, telemetry, AIP_*) must hold
         # for a worker that changes directory.
@@ -1023,10 +1024,6 @@ class Launcher:
                 return estimate
         w.pss, w.pss_rss, w.pss_at = tree_pss(w.mem_tree), rss, now
         return w.pss
-
-    @property
-    def _memory_limited(self) -> bool:
-        return any(p.memory_limit is not None for p in self._programs.values())
 
     def _gpus(self, replica: Replica) -> int:
         return self._programs[replica.pool].gpus_per_replica
