@@ -1,6 +1,6 @@
 """Who this process is in the cluster: rank, replica name and rendezvous address.
 
-Reads the environment the way the platform (PLATFORM.md section 6) and torchrun set it, and
+Reads the environment the way the platform (docs/platform.md, "What a replica sees") and torchrun set it, and
 builds the platform's CLUSTER_SPEC / TF_CONFIG for the local launcher. No torch import: the
 launcher imports this module and must start fast.
 
@@ -42,6 +42,17 @@ DEFAULT_MASTER_PORT = 29500
 NON_TRAINING_RANK = -1
 
 _INT_RE = re.compile(r"-?[0-9]+")  # int() alone would accept "1_0" and non-ASCII digits
+
+
+def replica_name(pool: str, index: int) -> str:
+    """A replica's name, as the platform gives it for a hostname: ``workerpool1-0``."""
+    return f"{pool}-{index}"
+
+
+def training_replica(node: int) -> tuple[str, int]:
+    """The pool and index of the training node ``node`` (a group rank): node 0 is the
+    primary, workerpool0-0; node k is workerpool1-(k-1)."""
+    return ("workerpool0", 0) if node == 0 else ("workerpool1", node - 1)
 
 
 class ClusterSpecError(ValueError):
@@ -253,7 +264,7 @@ class ClusterInfo:
             return cls(
                 rank=0,
                 world_size=1,
-                replica_name="workerpool0-0",
+                replica_name=replica_name("workerpool0", 0),
                 pool="workerpool0",
                 pool_index=0,
                 master_addr=env.get("MASTER_ADDR") or DEFAULT_MASTER_ADDR,
@@ -312,12 +323,12 @@ class ClusterInfo:
                 "cluster",
             )
         else:
-            pool, index = ("workerpool0", 0) if group_rank == 0 else ("workerpool1", group_rank - 1)
+            pool, index = training_replica(group_rank)
             addr, port = DEFAULT_MASTER_ADDR, DEFAULT_MASTER_PORT
         return cls(
             rank=rank,
             world_size=world_size,
-            replica_name=f"{pool}-{index}",
+            replica_name=replica_name(pool, index),
             pool=pool,
             pool_index=index,
             master_addr=env.get("MASTER_ADDR") or addr,

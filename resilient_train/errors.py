@@ -1,6 +1,6 @@
 """Exit codes, error taxonomy and the error report a failing replica leaves behind.
 
-Exit codes follow PLATFORM.md section 5: 134 asks for a rerun from the last checkpoint
+Exit codes follow the platform's exit-code rules (docs/platform.md): 134 asks for a rerun from the last checkpoint
 (the platform lists it as transient, and Kubeflow's ExitCode policy retries every code
 >= 128); 1 says rerunning cannot help.
 
@@ -21,7 +21,7 @@ import sys
 import tempfile
 import time
 import traceback as _tb
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
 from enum import Enum
 from typing import Any, ClassVar, NoReturn, TypeVar
@@ -104,6 +104,23 @@ def _classify_one(exc: BaseException) -> Classification | None:
     return None
 
 
+def exception_chain(exc: BaseException | None) -> Iterator[BaseException]:
+    """``exc``, then what it was raised ``from``, and so on: the one rule by which every
+    decision about an exception (transient or a bug, a lost peer, a full disk) reads it.
+
+    Only ``__cause__`` (``raise X from Y``) links: an exception raised while handling
+    another one (``__context__`` only) is judged on its own, so a ``KeyError`` in an
+    ``except ConnectionResetError`` block is a bug, not a lost peer. Code that means "this
+    failed because of that" says so with ``from``, which our own raise sites do.
+    """
+    seen: set[int] = set()
+    e = exc
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        yield e
+        e = e.__cause__
+
+
 def classify_exception(exc: BaseException) -> Classification:
     """Transient (rerun from the checkpoint), permanent (a bug, bad config) or OOM.
 
@@ -113,14 +130,10 @@ def classify_exception(exc: BaseException) -> Classification:
     judged by the first in its ``__cause__`` chain that says something. Anything else is a
     bug: permanent, so the job fails at once instead of crash-looping.
     """
-    seen: set[int] = set()
-    e: BaseException | None = exc
-    while e is not None and id(e) not in seen:
-        seen.add(id(e))
+    for e in exception_chain(exc):
         verdict = _classify_one(e)
         if verdict is not None:
             return verdict
-        e = e.__cause__  # not __context__: a bug raised while handling a network error is a bug
     return Classification.PERMANENT
 
 

@@ -20,7 +20,7 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from . import sigterm
-from .errors import record
+from .errors import exception_chain, record
 from .telemetry import Telemetry
 from .validate import NONE, expect_type
 
@@ -222,14 +222,8 @@ _LOADER_DEATH = "DataLoader worker (pid"   # torch: "... exited unexpectedly", "
 
 def _loader_death(exc: BaseException) -> bool:
     """Whether ``exc`` (or one it was raised from) is torch's "a DataLoader worker died"."""
-    seen: set[int] = set()
-    e: BaseException | None = exc
-    while e is not None and id(e) not in seen:
-        seen.add(id(e))
-        if isinstance(e, RuntimeError) and str(e).startswith(_LOADER_DEATH):
-            return True
-        e = e.__cause__ or e.__context__
-    return False
+    return any(isinstance(e, RuntimeError) and str(e).startswith(_LOADER_DEATH)
+               for e in exception_chain(exc))
 
 
 def _raised_in_data_loading(exc: BaseException) -> bool:

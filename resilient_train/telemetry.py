@@ -90,9 +90,17 @@ class ObservedMtbf:
                 self._mtime = mtime
         except (OSError, ValueError, KeyError, TypeError):
             return None
-        if self._since is None or self._failures <= 0:
+        if self._since is None:
             return None
-        return max(1.0, now - self._since) / self._failures
+        return observed_mtbf(self._since, self._failures, now)
+
+
+def observed_mtbf(since: float | None, failures: int, now: float) -> float | None:
+    """Seconds of running per failure: the one formula, for the launcher and the workers.
+    None before the first failure (or before the job ran)."""
+    if since is None or failures <= 0:
+        return None
+    return max(1.0, now - since) / failures
 
 
 def write_failures(path: str | os.PathLike[str], since: float, failures: int) -> None:

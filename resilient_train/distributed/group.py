@@ -29,8 +29,9 @@ from dataclasses import dataclass, replace
 from typing import Any, Literal, TypeVar
 
 from .. import sigterm
-from ..cluster import ClusterInfo
-from ..errors import PEER_LOST_MESSAGES, exit_transient
+from ..cluster import ClusterInfo, replica_name, training_replica
+from ..errors import PEER_LOST_MESSAGES, exception_chain, exit_transient
+from ..text import first_line
 from .errors import DistributedConfigError, PeerRestartedError, RendezvousTimeoutError
 from .hang import HangWatchdog, report_and_exit
 from .rendezvous import Rendezvous
@@ -105,10 +106,7 @@ def is_peer_failure(exc: BaseException) -> bool:
     """Whether ``exc`` (or what caused it) says a peer of the process group went away."""
     import torch.distributed as dist
 
-    seen: set[int] = set()
-    e: BaseException | None = exc
-    while e is not None and id(e) not in seen:
-        seen.add(id(e))
+    for e in exception_chain(exc):
         if isinstance(e, PeerRestartedError):
             return True
         if isinstance(e, RendezvousTimeoutError):
@@ -118,7 +116,6 @@ def is_peer_failure(exc: BaseException) -> bool:
         text = str(e).lower()
         if any(p in text for p in PEER_LOST_MESSAGES):
             return True
-        e = e.__cause__ or e.__context__
     return False
 
 
@@ -128,7 +125,7 @@ def replica_namer(info: ClusterInfo) -> Callable[[int], str]:
 
     def name_of(rank: int) -> str:
         node = rank // per_node
-        replica = "workerpool0-0" if node == 0 else f"workerpool1-{node - 1}"
+        replica = replica_name(*training_replica(node))
         return replica if per_node == 1 else f"{replica}/local{rank % per_node}"
 
     return name_of
@@ -237,7 +234,7 @@ class DistributedGroup:
             except Exception as exc:
                 if not (self._peer_lost.is_set() or is_peer_failure(exc)):
                     raise
-                reason = _one_line(exc)
+                reason = first_line(exc)
             # Out of the except block, the exception's traceback and with it fn's frames
             # (DDP, the checkpoint manager: whatever holds the process group) are freed, so
             # destroying the group really closes its sockets. A survivor blocked in a
@@ -249,7 +246,7 @@ class DistributedGroup:
     def recover(self, cause: BaseException | str) -> None:
         """Tear the process group down and re-form it at the next generation (or, with
         ``on_peer_restart="exit"``, exit with the transient code)."""
-        reason = self._peer_reason or _one_line(cause)
+        reason = self._peer_reason or first_line(cause)
         if sigterm.received():
             # Being stopped (a preemption, a job retry): the peers are too, so re-forming
             # would wait for nobody until the grace period's SIGKILL.
@@ -337,7 +334,7 @@ class DistributedGroup:
                 # The primary (and its store) went away while we waited: it restarts and
                 # hosts a new store; wait for that one, within the same deadline.
                 logger.warning("%s: lost the rendezvous store while forming (%s); "
-                               "reconnecting", self.replica_name, _one_line(exc))
+                               "reconnecting", self.replica_name, first_line(exc))
                 self._rdzv.store = None
                 continue
             kwargs: dict[str, Any] = {}
@@ -353,7 +350,7 @@ class DistributedGroup:
                     raise
                 # A member died while the mesh connected: try the next generation.
                 logger.warning("%s: forming generation %d failed (%s); trying again",
-                               self.replica_name, gen, _one_line(exc))
+                               self.replica_name, gen, first_line(exc))
                 self._destroy_pg()
                 if not self._store_alive():
                     self._rdzv.store = None
@@ -470,7 +467,7 @@ class DistributedGroup:
                     return
                 reason = (f"lost the rendezvous store at {self.info.master_addr}:"
                           f"{self.info.master_port}: the primary {self.name_of(0)} stopped or "
-                          f"restarted ({_one_line(exc)})")
+                          f"restarted ({first_line(exc)})")
             self._flag(reason)
             return
 
@@ -527,13 +524,6 @@ def _set_pg_timeout(timeout: datetime.timedelta) -> None:
         distributed_c10d._set_pg_timeout(timeout)
     except Exception as exc:  # a private torch API: never fail training over it
         logger.warning("could not set the collective timeout to %s: %s", timeout, exc)
-
-
-def _one_line(cause: BaseException | str) -> str:
-    text = str(cause) if not isinstance(cause, BaseException) else (
-        f"{type(cause).__name__}: {cause}")
-    line = text.strip().splitlines()[0] if text.strip() else text
-    return line if len(line) <= 200 else line[:197] + "..."
 
 
 def init_distributed(options: DistributedOptions | None = None, *,

@@ -43,6 +43,7 @@ from tenacity import (
 )
 
 from .. import sigterm
+from ..text import first_line
 from . import storeauth
 from .errors import (
     BarrierTimeoutError,
@@ -68,11 +69,6 @@ def _leave_if_stopped(waiting_for: str) -> None:
     (exit 134) instead of waiting for them until the grace period's SIGKILL."""
     if sigterm.received():
         raise StopRequestedError(f"SIGTERM while waiting for {waiting_for}; leaving")
-
-
-def _first_line(exc: BaseException | None) -> str:
-    text = f"{type(exc).__name__}: {exc}" if exc is not None else "no answer"
-    return text.strip().splitlines()[0][:200]
 
 
 def describe_ranks(ranks: Sequence[int], name_of: Callable[[int], str]) -> str:
@@ -156,7 +152,7 @@ class Rendezvous:
             if state.attempt_number == 1:
                 exc = state.outcome.exception() if state.outcome else None
                 logger.info("waiting for %s at %s:%d (%s), up to %.0f s", what, self.host,
-                            self.port, _first_line(exc), self.join_timeout_s)
+                            self.port, first_line(exc), self.join_timeout_s)
             if now - last_log >= PROGRESS_EVERY_S:
                 last_log = now
                 logger.warning("waiting for %s at %s:%d, %.0f s of %.0f s", what, self.host,
@@ -174,7 +170,7 @@ class Rendezvous:
             raise PrimaryUnreachableError(
                 f"{what} at {self.host}:{self.port} did not accept connections "
                 f"within {self.join_timeout_s:.0f} s (last error: "
-                f"{str(exc).splitlines()[0] if str(exc) else type(exc).__name__}). "
+                f"{first_line(str(exc)) or type(exc).__name__}). "
                 f"Check that the primary started and that MASTER_ADDR/MASTER_PORT "
                 f"(or CLUSTER_SPEC) point at it.", missing=(0,)) from exc
         if time.monotonic() - start > 1.0:

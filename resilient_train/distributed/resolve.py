@@ -1,8 +1,8 @@
 """Wait until a host name resolves: on the platform a peer's DNS record can appear after the
-peer's code is already running (PLATFORM.md section 1).
+peer's code is already running (docs/platform.md).
 
 torch does its own lookup inside TCPStore and, when it fails, keeps retrying until its
-timeout and then reports a *socket timeout* (FIELD-NOTES.md): we resolve first, with
+timeout and then reports a *socket timeout* (docs/libraries.md): we resolve first, with
 tenacity's full-jitter backoff and a deadline, and say "does not resolve" when it is so.
 """
 
