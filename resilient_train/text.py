@@ -21,10 +21,20 @@ def first_line(what: BaseException | str | None, *, limit: int = 200) -> str:
     return line if len(line) <= limit else line[:limit - 3] + "..."
 
 
-def format_duration(seconds: float) -> str:
-    """A duration for a person: 0.35 s, 12.3 s, 4 min 05 s, 2 h 03 min (inf for never)."""
+def format_duration(seconds: float, *, fixed: bool = False) -> str:
+    """A duration for a person, in the fewest digits that say it: 0.2 s, 72 s, 12.5 min,
+    6 h (inf for never). ``fixed`` keeps a fixed number of places, for columns that are
+    read side by side: 0.35 s, 2.00 s, 12.3 s, 4 min 05 s, 2 h 03 min."""
     if math.isinf(seconds):
         return "inf"
+    if not fixed:
+        if seconds < 10:
+            return f"{seconds:.3g} s"
+        if seconds < 600:
+            return f"{seconds:.0f} s"
+        if seconds < 7200:
+            return f"{seconds / 60:.1f} min".replace(".0 ", " ")
+        return f"{seconds / 3600:.1f} h".replace(".0 ", " ")
     if seconds < 10:
         return f"{seconds:.2f} s"
     if seconds < 120:
