@@ -23,7 +23,6 @@ from gcs import RESET, FaultProxy, free_port
 
 from resilient_train.checkpoint import storage as storage_mod
 from resilient_train.checkpoint.storage import (
-    GCSFS_HNS_ENV,
     PROBE_PREFIX,
     TMP_FILE_PREFIX,
     ErrorKind,
@@ -34,8 +33,8 @@ from resilient_train.checkpoint.storage import (
     StoragePermissionError,
     StorageUnavailableError,
     classify_error,
-    uses_gcs_emulator,
 )
+from resilient_train.checkpoint.storage_gcs import GCSFS_HNS_ENV, uses_gcs_emulator
 from resilient_train.errors import Classification, classify_exception
 
 FAST = RetryOptions(deadline_s=30.0, initial_s=0.01, max_wait_s=0.1)

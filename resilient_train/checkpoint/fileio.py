@@ -1,13 +1,13 @@
 """Write a stream (torch.save's output) to a local file with O_DIRECT.
 
 Buffered writes + fsync reach about half of what the local disk does with O_DIRECT
-(FIELD-NOTES.md), and they fill the page cache with dirty pages that the kernel may make
-the training thread wait on. ``DirectWriter`` copies the stream into a few reused,
-page-aligned buffers; a helper thread writes every full buffer with ``os.pwrite`` on the
-file descriptor switched to O_DIRECT (the GIL is released meanwhile, so serialization and
-the disk overlap). The tail that is not a multiple of the block size is written after
-clearing O_DIRECT again. The caller still fsyncs the file (the size and the block map are
-metadata that O_DIRECT does not make durable).
+(docs/libraries.md, "Local disk and torch"), and they fill the page cache with dirty pages
+that the kernel may make the training thread wait on. ``DirectWriter`` copies the stream
+into a few reused, page-aligned buffers; a helper thread writes every full buffer with
+``os.pwrite`` on the file descriptor switched to O_DIRECT (the GIL is released meanwhile,
+so serialization and the disk overlap). The tail that is not a multiple of the block size
+is written after clearing O_DIRECT again. The caller still fsyncs the file (the size and
+the block map are metadata that O_DIRECT does not make durable).
 
 Where the file system refuses O_DIRECT, ``DirectWriter.open`` returns None and the caller
 keeps its buffered path; a refusal met later (EINVAL on the first direct write) switches
@@ -40,8 +40,8 @@ _O_DIRECT: int = getattr(os, "O_DIRECT", 0)
 
 
 class _BufferPool:
-    """Aligned buffers kept between saves: fresh pages cost a fault each (FIELD-NOTES.md),
-    about as much as the copy itself."""
+    """Aligned buffers kept between saves: fresh pages cost a fault each, about as much as
+    the copy itself (docs/libraries.md, "Local disk and torch")."""
 
     def __init__(self, keep: int) -> None:
         self._keep = keep

@@ -44,7 +44,8 @@ Loading:
     * ``.metadata`` is a pickle, and DCP's reader unpickles it with ``pickle.load``; we parse
       the verified bytes ourselves with an allowlisting unpickler and hand that to DCP, and
       non-tensor items (DCP's ``torch.load(weights_only=False)``) must pass a weights-only load
-      first: a checkpoint must not be able to run code (DESIGN.md section 3);
+      first: a checkpoint must not be able to run code (docs/design.md, "Loading runs no
+      code");
     * ``dcp.load`` fills the state dicts of the live objects in place (collective on the
       coordinator's main group, the training thread's), then ``set_model_state_dict`` /
       ``set_optimizer_state_dict`` apply them.
@@ -401,11 +402,12 @@ class ShardedCheckpointer:
 
     def _writer(self, storage: Storage, rel: str) -> Any:
         options: dict[str, Any] = {"sync_files": True, "thread_count": self.thread_count}
-        if storage.fs is None:  # local disk or a FUSE mount
+        if storage.capabilities.posix_paths:  # local disk or a FUSE mount
             from torch.distributed.checkpoint import FileSystemWriter
 
             return FileSystemWriter(storage.url_of(rel), **options)
-        return _dcp_classes().remote_writer(storage.url_of(rel), storage.fs, **options)
+        return _dcp_classes().remote_writer(storage.url_of(rel), _filesystem(storage),
+                                            **options)
 
     # -- loading (training thread)
 
@@ -472,8 +474,9 @@ class ShardedCheckpointer:
                 target[n] = collect({n: obj})[n]
         classes = _dcp_classes()
         path = storage.url_of(f"{verified.name}/{DCP_DIR}")
-        reader = classes.local_reader(path, verified.metadata) if storage.fs is None else \
-            classes.remote_reader(path, verified.metadata, storage.fs)
+        reader = classes.local_reader(path, verified.metadata) \
+            if storage.capabilities.posix_paths \
+            else classes.remote_reader(path, verified.metadata, _filesystem(storage))
         t0 = time.perf_counter()
         with warnings.catch_warnings():
             # We chose no_dist on purpose for one process; DCP warns about it anyway. (Safe
@@ -503,6 +506,15 @@ def _dcp_names(md: Any) -> set[str]:
     if not names:  # saved without flattening: keys are the names themselves
         names = {k.split(".", 1)[0] for k in md.state_dict_metadata}
     return names
+
+
+def _filesystem(storage: Storage) -> Any:
+    """The fsspec filesystem DCP reads and writes through, where paths are not local."""
+    if storage.fs is None:
+        raise CheckpointError(
+            f"sharded checkpoints need local paths or an fsspec filesystem; {storage!r} "
+            "has neither")
+    return storage.fs
 
 
 def _checksum(storage: Storage, rel: str) -> FileEntry:
