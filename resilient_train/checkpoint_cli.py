@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from .checkpoint.manager import (
+from .checkpoint.directory import (
     TMP_PREFIX,
     StepInfo,
     prune,

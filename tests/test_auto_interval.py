@@ -7,6 +7,7 @@ import logging
 import math
 import os
 import statistics
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -18,7 +19,6 @@ from resilient_train.checkpoint.manager import CheckpointManager, CheckpointOpti
 from resilient_train.checkpoint.policy import (
     FOUR_HOURS,
     MTBF_ENV,
-    OBSERVED_MTBF_ENV,
     PRIOR_MTBF_S,
     SaveContext,
     SavePolicy,
@@ -35,7 +35,7 @@ from resilient_train.telemetry import FAILURES_ENV, ObservedMtbf, write_failures
 @pytest.fixture(autouse=True)
 def _no_mtbf_env(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv(MTBF_ENV, raising=False)
-    monkeypatch.delenv(OBSERVED_MTBF_ENV, raising=False)
+    monkeypatch.delenv(FAILURES_ENV, raising=False)
 
 
 def ctx(step: int, now: float, last_step: int | None = None, last_time: float = 0.0,
@@ -77,10 +77,13 @@ def test_interval_is_bounded_to_floor_and_four_hours() -> None:
 
 
 def test_mtbf_comes_from_the_argument_then_declared_then_observed_then_prior(
-        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     assert resolve_mtbf() == (PRIOR_MTBF_S, f"prior; set {MTBF_ENV} to declare it")
-    monkeypatch.setenv(OBSERVED_MTBF_ENV, "7200")
-    assert resolve_mtbf() == (7200.0, "observed")
+    log_file = tmp_path / "failures.json"     # the launcher's failure log: one failure
+    write_failures(log_file, time.time() - 7200, 1)   # in two hours of running
+    monkeypatch.setenv(FAILURES_ENV, str(log_file))
+    mtbf, source = resolve_mtbf()
+    assert source == "observed" and mtbf == pytest.approx(7200, abs=60)
     monkeypatch.setenv(MTBF_ENV, "21600")
     assert resolve_mtbf() == (21600.0, "declared")
     assert resolve_mtbf(600) == (600.0, "given")
@@ -91,10 +94,8 @@ def test_mtbf_comes_from_the_argument_then_declared_then_observed_then_prior(
     with pytest.raises(ValueError, match=MTBF_ENV):
         auto_interval()
     monkeypatch.delenv(MTBF_ENV)
-    monkeypatch.setenv(OBSERVED_MTBF_ENV, "-1")              # the launcher's: never fatal
-    with caplog.at_level(logging.WARNING):
-        assert resolve_mtbf()[0] == PRIOR_MTBF_S
-    assert "ignoring RESILIENT_TRAIN_OBSERVED_MTBF_S='-1'" in caplog.text
+    log_file.write_text("not json")                     # the launcher's: never fatal
+    assert resolve_mtbf()[0] == PRIOR_MTBF_S
 
 
 def test_saves_after_the_floor_until_a_save_has_been_measured() -> None:

@@ -1,5 +1,5 @@
 """SIGKILL a process while it saves checkpoints, at random instants, and check the commit
-protocol (DESIGN.md section 3) held every time.
+protocol (docs/design.md, "Commit protocols") held every time.
 
 `tests/ckpt_workers/saver.py` is a warm parent (torch imported once) that forks a child per
 run: the child restores the latest checkpoint like a restarted job, then saves every step
@@ -39,12 +39,8 @@ from typing import IO, Any
 import pytest
 from ckpt_workers import crash_model
 
-from resilient_train.checkpoint.manager import (
-    CheckpointManager,
-    CheckpointOptions,
-    scan,
-    verify_step,
-)
+from resilient_train.checkpoint.directory import scan, verify_step
+from resilient_train.checkpoint.manager import CheckpointManager, CheckpointOptions
 from resilient_train.checkpoint.storage import RetryOptions
 
 pytestmark = pytest.mark.slow

@@ -21,7 +21,7 @@ from typing import Any
 import pytest
 import torch
 
-from resilient_train.checkpoint.manager import scan, verify_step
+from resilient_train.checkpoint.directory import scan, verify_step
 from resilient_train.checkpoint.storage import Storage
 
 WORKERS = Path(__file__).parent / "dist_workers"

@@ -2,9 +2,10 @@
 
 Every test saves real state (a small model with dropout, an Adam optimizer, RNG states and
 user values), damages what a crash, a bad disk or a careless hand could damage, and checks
-what DESIGN.md section 3 promises: a step without a valid marker does not exist, a corrupt
-latest falls back to the previous commit with a warning that names the problem, and
-checkpoints that exist but do not verify are an error, never a silent fresh start.
+what docs/design.md ("Commit protocols") promises: a step without a valid marker does not
+exist, a corrupt latest falls back to the previous commit with a warning that names the
+problem, and checkpoints that exist but do not verify are an error, never a silent fresh
+start.
 Backends: local disk, fsspec ``memory://`` and the GCS emulator (fake-gcs-server).
 """
 
@@ -32,13 +33,8 @@ from gcs import FaultProxy
 
 from resilient_train import cli
 from resilient_train.checkpoint import manager as manager_mod
-from resilient_train.checkpoint.manager import (
-    CheckpointManager,
-    CheckpointOptions,
-    StepInfo,
-    scan,
-    verify_step,
-)
+from resilient_train.checkpoint.directory import StepInfo, scan, verify_step
+from resilient_train.checkpoint.manager import CheckpointManager, CheckpointOptions
 from resilient_train.checkpoint.manifest import (
     MANIFEST,
     MARKER,

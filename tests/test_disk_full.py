@@ -32,12 +32,11 @@ import torch
 from resilient_train.checkpoint import fileio
 from resilient_train.checkpoint import manager as manager_mod
 from resilient_train.checkpoint import storage as storage_mod
+from resilient_train.checkpoint.directory import scan, verify_step
 from resilient_train.checkpoint.manager import (
     CheckpointManager,
     CheckpointOptions,
     CheckpointStorageFullError,
-    scan,
-    verify_step,
 )
 from resilient_train.checkpoint.manifest import CheckpointError, step_dirname
 from resilient_train.checkpoint.retention import RetentionPolicy

@@ -13,7 +13,8 @@ import pytest
 import torch
 
 import resilient_train as rt
-from resilient_train.checkpoint.manager import CheckpointManager, CheckpointOptions, scan
+from resilient_train.checkpoint.directory import scan
+from resilient_train.checkpoint.manager import CheckpointManager, CheckpointOptions
 from resilient_train.checkpoint.policy import (
     FOUR_HOURS,
     SaveContext,

@@ -25,7 +25,7 @@ import psutil
 import pytest
 import torch
 
-from resilient_train.checkpoint.manager import scan, verify_step
+from resilient_train.checkpoint.directory import scan, verify_step
 from resilient_train.checkpoint.storage import Storage
 from resilient_train.ports import free_port
 

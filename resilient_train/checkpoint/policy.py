@@ -20,11 +20,13 @@ from __future__ import annotations
 import logging
 import math
 import os
+import time
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from ..telemetry import OBSERVED_MTBF_ENV  # set by the launcher from the job's own faults
+from ..telemetry import ObservedMtbf  # the launcher's failure log: the job's own faults
+from ..text import format_duration
 
 log = logging.getLogger(__name__)
 
@@ -128,7 +130,7 @@ def _nodes(policy: SavePolicy) -> list[SavePolicy]:
 
 
 def _hours(seconds: float) -> str:
-    return f"{seconds:g} s" if seconds < 3600 else f"{seconds:g} s ({_dur(seconds)})"
+    return f"{seconds:g} s" if seconds < 3600 else f"{seconds:g} s ({format_duration(seconds)})"
 
 
 def check_ceiling(policy: SavePolicy, max_interval_s: float | None) -> None:
@@ -198,36 +200,27 @@ def daly_interval(cost_s: float, mtbf_s: float) -> float:
 
 def resolve_mtbf(mtbf_s: float | None = None) -> tuple[float, str]:
     """The mean time between failures to plan for, and where it came from: the argument,
-    else ``RESILIENT_TRAIN_MTBF_S`` (declared by the user), else
-    ``RESILIENT_TRAIN_OBSERVED_MTBF_S`` (the job's own faults), else a 24-hour prior."""
+    else ``RESILIENT_TRAIN_MTBF_S`` (declared by the user), else the job's own faults so
+    far (the launcher's failure log, ``RESILIENT_TRAIN_FAILURES_FILE``: the one channel
+    by which the observed MTBF reaches a worker), else a 24-hour prior."""
     if mtbf_s is not None:
         if not mtbf_s > 0:
             raise ValueError(f"auto_interval needs a positive MTBF, found {mtbf_s} s")
         return float(mtbf_s), "given"
-    for var, source in ((MTBF_ENV, "declared"), (OBSERVED_MTBF_ENV, "observed")):
-        raw = os.environ.get(var, "").strip()
-        if not raw:
-            continue
+    raw = os.environ.get(MTBF_ENV, "").strip()
+    if raw:
         try:
             value = float(raw)
         except ValueError:
             value = math.nan
-        if value > 0:
-            return value, source
-        if source == "declared":
-            raise ValueError(f"{var}={raw!r}: expected a positive number of seconds")
-        log.warning("ignoring %s=%r: expected a positive number of seconds", var, raw)
+        if not value > 0:
+            raise ValueError(f"{MTBF_ENV}={raw!r}: expected a positive number of seconds")
+        return value, "declared"
+    log_file = ObservedMtbf.from_env()
+    observed = log_file.at(time.time()) if log_file is not None else None
+    if observed is not None:   # None too when the log is unreadable: never fatal
+        return observed, "observed"
     return PRIOR_MTBF_S, f"prior; set {MTBF_ENV} to declare it"
-
-
-def _dur(seconds: float) -> str:
-    if math.isinf(seconds):
-        return "inf"
-    if seconds < 600:
-        return f"{seconds:.3g} s" if seconds < 10 else f"{seconds:.0f} s"
-    if seconds < 7200:
-        return f"{seconds / 60:.1f} min".replace(".0 ", " ")
-    return f"{seconds / 3600:.1f} h".replace(".0 ", " ")
 
 
 class auto_interval(SavePolicy):
@@ -296,8 +289,9 @@ class auto_interval(SavePolicy):
             self._origin = ctx.now
             if ctx.save_cost_s is None:
                 log.info("auto checkpoint interval %s until the first save measures its "
-                         "cost (mean time between failures %s, %s)", _dur(self.floor_s),
-                         _dur(self.mtbf_s), self.mtbf_source)
+                         "cost (mean time between failures %s, %s)",
+                         format_duration(self.floor_s), format_duration(self.mtbf_s),
+                         self.mtbf_source)
         start = max(ctx.last_save_time, self._origin)
         return min(start + self.interval(ctx.save_cost_s), ctx.last_save_time + self.ceiling_s)
 
@@ -311,12 +305,12 @@ class auto_interval(SavePolicy):
             return
         self._logged = new
         if tau < self.floor_s:
-            how = f"Young/Daly optimum {_dur(tau)} raised to the floor"
+            how = f"Young/Daly optimum {format_duration(tau)} raised to the floor"
         elif tau > self.ceiling_s:
-            how = f"Young/Daly optimum {_dur(tau)} lowered to the ceiling"
+            how = f"Young/Daly optimum {format_duration(tau)} lowered to the ceiling"
         else:
             how = "Young/Daly optimum"
         log.info("auto checkpoint interval %s: a save blocks training %s, mean time between "
-                 "failures %s (%s), %s, bounded to [%s, %s]", _dur(new), _dur(cost),
-                 _dur(self.mtbf_s), self.mtbf_source, how, _dur(self.floor_s),
-                 _dur(self.ceiling_s))
+                 "failures %s (%s), %s, bounded to [%s, %s]", format_duration(new),
+                 format_duration(cost), format_duration(self.mtbf_s), self.mtbf_source, how,
+                 format_duration(self.floor_s), format_duration(self.ceiling_s))

@@ -1,13 +1,13 @@
 """Capture and restore training state: RNGs, stateful objects and host snapshots.
 
-Everything captured here must survive ``torch.load(weights_only=True)`` (DESIGN.md
-section 3: a checkpoint must not be able to run code), so RNG states are stored as tensors
+Everything captured here must survive ``torch.load(weights_only=True)`` (docs/design.md,
+"Commit protocols": loading a checkpoint runs no code), so RNG states are stored as tensors
 and plain containers, and :func:`check_weights_only` finds any leaf that would be rejected
 *before* a save, naming its path, instead of after a crash when the checkpoint is needed.
 
 :class:`HostSnapshot` copies a state tree into host buffers it keeps between saves: a copy
-into already-touched buffers is 5-10x faster than a fresh ``clone`` (FIELD-NOTES.md, "Local
-disk and torch"), and training may continue while a writer thread serialises the copy.
+into already-touched buffers is 5-10x faster than a fresh ``clone`` (docs/libraries.md,
+"Local disk and torch"), and training may continue while a writer thread serialises the copy.
 """
 
 from __future__ import annotations

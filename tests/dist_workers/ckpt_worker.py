@@ -263,7 +263,7 @@ def sigterm(ckpt: str, coord: Coordinator) -> dict[str, Any]:
         try:
             saved = mgr.maybe_save(step)
         except SystemExit as exc:  # the signalled rank: record, then leave with its code
-            from resilient_train.checkpoint.manager import scan
+            from resilient_train.checkpoint.directory import scan
 
             committed = [i.step for i in scan(mgr.storage) if i.committed]
             result.update(saved_step=step, exit_code=exc.code, committed_at_exit=committed)

@@ -1,0 +1,190 @@
+"""When to save: the one place that decides, after each step, whether this step is saved.
+
+:class:`SaveScheduler` asks the save policy (every N steps, the max-interval ceiling,
+auto_interval: policy.py) with a :class:`~.policy.SaveContext` and turns a SIGTERM into an
+emergency save. Multi-rank, every rank must decide the same at the same step, so the
+scheduler agrees with the others on everything the decision reads: the policy itself (the
+primary's copy), the clock (the primary's), a pending SIGTERM (anyone's), the cost of a
+save (the slowest rank's) and the job's observed MTBF (the primary reads the launcher's
+failure log, ``telemetry.ObservedMtbf``).
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import pickle
+import signal
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+from .. import sigterm
+from ..telemetry import ObservedMtbf
+from .coordination import Coordinator
+from .manifest import CheckpointError
+from .policy import SaveContext, SavePolicy
+
+log = logging.getLogger(__name__)
+
+
+class Decision(enum.Enum):
+    SKIP = "skip"
+    SAVE = "save"              # the policy says so
+    EMERGENCY = "emergency"    # a SIGTERM: save blocking, then leave (exit 134)
+
+
+class SigtermWatch:
+    """Notes a SIGTERM for an emergency save at the next step boundary, from the moment
+    it is created: the manager creates it first, so a SIGTERM that arrives while the ranks
+    still set up is not lost; one that came before (@rt.main notes it while the group
+    forms) counts too."""
+
+    def __init__(self, enabled: bool) -> None:
+        self.received = enabled and sigterm.received()
+        self._old: Any = None
+        if enabled:
+            self._install()
+
+    def _install(self) -> None:
+        if threading.current_thread() is not threading.main_thread():
+            raise CheckpointError("save_on_sigterm needs the manager to be created in the "
+                                  "main thread")
+
+        def on_sigterm(signum: int, frame: Any) -> None:
+            self.received = True
+            sigterm.note()  # for the waits on peers, which must not outlast the grace period
+
+        self._old = signal.signal(signal.SIGTERM, on_sigterm)
+
+    def close(self) -> None:
+        """Put back the handler that was there before."""
+        if self._old is not None:
+            signal.signal(signal.SIGTERM, self._old)
+            self._old = None
+
+
+class SaveScheduler:
+    """Decides, step by step, whether to save; the same decision on every rank.
+
+    Creating one is collective (the ranks agree on the policy); so is :meth:`start`
+    (the primary's clock) and, about once per ``sync_interval_s``, :meth:`decide`.
+    """
+
+    def __init__(self, policy: SavePolicy, coord: Coordinator, watch: SigtermWatch, *,
+                 clock: Callable[[], float] = time.time, sync_interval_s: float = 1.0) -> None:
+        self.coord = coord
+        self.watch = watch
+        self.clock = clock
+        self.sync_interval_s = sync_interval_s
+        self._multi = coord.world_size > 1
+        self._primary = coord.rank == 0
+        self.policy = self._agree_on_policy(policy)
+        # The last save (or the restored step) and when: SaveContext.last_save_*.
+        self.last_save_step: int | None = None
+        self._last_save_time = 0.0
+        # What a save costs the training loop (waiting for the previous one, the snapshot,
+        # the write when blocking), an EMA: SaveContext.save_cost_s, for auto_interval.
+        self.save_cost: float | None = None
+        # The job's observed MTBF (the launcher's failure log), read on the primary:
+        # SaveContext.mtbf_s, for auto_interval.
+        self._observed = ObservedMtbf.from_env() if self._primary else None
+        self._next_mtbf_read = float("-inf")
+        # Multi-rank, as of the last _sync: the primary's clock (a max over all ranks'
+        # clocks would let one rank's skew, a clock ahead, postpone every time-based
+        # save), the slowest rank's save cost and the primary's MTBF.
+        self._shared_now = 0.0
+        self._shared_save_cost: float | None = None
+        self._shared_mtbf: float | None = None
+        self.next_sync_step = 0          # the step of the next agreement (0: the next one)
+        self._step_time = 0.0
+        self._last_step_clock: float | None = None
+
+    def _agree_on_policy(self, policy: SavePolicy) -> SavePolicy:
+        """This life's copy of the save policy, the primary's on every rank.
+
+        A policy may keep state (auto_interval: its MTBF, read from this process's
+        environment, and when it started counting); each life starts from a fresh copy, and
+        every rank takes the primary's so that they all decide to save at the same step.
+        """
+        try:
+            blob = pickle.dumps(policy) if self._primary else None
+        except Exception as exc:  # a policy holding a lambda: keep each rank's own
+            log.warning("the save policy %r cannot be copied (%s); each rank uses its own, "
+                        "so it must decide from its SaveContext alone", policy, exc)
+            blob = None
+        if self._multi:
+            blob = self.coord.broadcast(blob)
+        return policy if blob is None else pickle.loads(blob)  # noqa: S301 - our own bytes
+
+    def start(self) -> None:
+        """Start the clock that time-based saves count from (collective: the primary's)."""
+        self._shared_now = float(self.coord.broadcast(self.clock()))
+        self._last_save_time = self._shared_now
+
+    @property
+    def sigterm_received(self) -> bool:
+        """This process got a SIGTERM (multi-rank, the others save with it at once)."""
+        return self.watch.received
+
+    def decide(self, step: int) -> Decision:
+        """After each finished step (``step`` = steps done): save now, or not. Cheap."""
+        if not self._multi:
+            now = self.clock()
+            emergency = self.watch.received
+            cost = self.save_cost
+            if now >= self._next_mtbf_read:   # a stat() per second, not per step
+                self._next_mtbf_read = now + self.sync_interval_s
+                self._shared_mtbf = self._observed.at(now) if self._observed else None
+        else:
+            now, emergency = self._sync(step)
+            cost = self._shared_save_cost
+        if emergency:
+            return Decision.EMERGENCY
+        if self.policy.should_save(SaveContext(step, now, self.last_save_step,
+                                               self._last_save_time, cost, self._shared_mtbf)):
+            return Decision.SAVE
+        return Decision.SKIP
+
+    def _sync(self, step: int) -> tuple[float, bool]:
+        """Multi-rank: agree on the clock, a pending SIGTERM, the cost of a save (the
+        slowest rank's: it blocks the job) and the MTBF, about once per
+        ``sync_interval_s``, so every rank takes the same decision at the same step."""
+        now_local = time.monotonic()
+        if self._last_step_clock is not None:
+            dt = now_local - self._last_step_clock
+            self._step_time = dt if self._step_time == 0 else 0.9 * self._step_time + 0.1 * dt
+        self._last_step_clock = now_local
+        if step < self.next_sync_step:
+            return self._shared_now, False
+        stride = max(1, int(self.sync_interval_s / self._step_time)) if self._step_time else 1
+        my_now = int(self.clock() * 1000) if self._primary else 0
+        my_cost = -1 if self.save_cost is None else int(self.save_cost * 1e6)
+        mtbf = self._observed.at(my_now / 1000.0) if self._observed else None
+        my_mtbf = -1 if mtbf is None else int(mtbf * 1000)   # the primary's only
+        now_ms, stride, sigterm_, cost_us, mtbf_ms = self.coord.allreduce_max(
+            [my_now, stride, int(self.watch.received), my_cost, my_mtbf])
+        self._shared_now = now_ms / 1000.0
+        self._shared_save_cost = None if cost_us < 0 else cost_us / 1e6
+        self._shared_mtbf = None if mtbf_ms < 0 else mtbf_ms / 1000.0
+        self.next_sync_step = step + stride
+        return self._shared_now, bool(sigterm_)
+
+    def saving(self, step: int) -> None:
+        """A save of ``step`` starts now: the policy's clock restarts."""
+        self.last_save_step = step
+        self._last_save_time = self._shared_now if self._multi else self.clock()
+
+    def measured(self, cost_s: float) -> None:
+        """What the save just taken blocked the training loop for."""
+        self.save_cost = cost_s if self.save_cost is None else \
+            0.7 * self.save_cost + 0.3 * cost_s
+
+    def restored(self, step: int, created: float) -> None:
+        """The run resumed from ``step``, committed at ``created``."""
+        self.last_save_step = step
+        self._last_save_time = created
+
+    def close(self) -> None:
+        self.watch.close()
