@@ -1,4 +1,8 @@
-"""``resilient-train``: argument parsing and printing only."""
+"""``resilient-train``: argument parsing and printing only.
+
+Each subcommand imports its modules in its handler, so that one never pays for another's:
+``checkpoints`` loads only ``checkpoint_cli``, not the launcher.
+"""
 
 from __future__ import annotations
 
@@ -12,31 +16,20 @@ import sys
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from .launcher.chaos import ChaosSpecError, load_chaos, parse_duration
-from .launcher.jobspec import JobSpec, JobSpecError, load_job_spec
-from .launcher.messages import STATUS_FAULT_NOT_FIRED, STATUS_INTERNAL, JobState
-from .launcher.policy import (
-    PolicyError,
-    Strategy,
-    default_policy,
-    load_policy,
-    with_platform_defaults,
-    without_retries,
-)
-from .launcher.programs import PoolProgram, plan_pools
-from .launcher.record import read_job
-from .launcher.resources import detect_gpus, memory_limit_for, parse_memory
-from .launcher.runner import Launcher, LaunchError, LaunchOptions, launcher_alive
-from .report import ReportError, write_report
+# The choices of --strategy: a leaf module of enums and dataclasses (stdlib only).
+from .launcher.policy import Strategy
+
+if TYPE_CHECKING:
+    from .launcher.jobspec import JobSpec
+    from .launcher.runner import LaunchOptions
 
 EXIT_USAGE = 2
 # Defaults of the options a job spec can also set: those options default to None in the
 # parser, so that one given explicitly (even with its default value) beats the spec.
 _DEFAULT_TIMEOUT = 7 * 24 * 3600.0
 _DEFAULT_MAX_WAIT = 24 * 3600.0
-_TERMINAL = {s.value for s in JobState if s.terminal}
 
 _JOB_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
 
@@ -58,12 +51,13 @@ def _pool(text: str) -> tuple[str, int]:
     return name, int(count)
 
 
-def _argument(parse: Callable[[str], Any], what: str) -> Callable[[str], Any]:
+def _argument(parse: Callable[[], Callable[[str], Any]], what: str) -> Callable[[str], Any]:
     """An argparse type from a parser that raises ValueError: argparse would print only
-    "invalid parse_duration value"; this keeps the parser's message (what was expected)."""
+    "invalid parse_duration value"; this keeps the parser's message (what was expected).
+    ``parse`` gives the parser, imported only when an option needs it."""
     def convert(text: str) -> Any:
         try:
-            return parse(text)
+            return parse()(text)
         except ValueError as exc:
             raise argparse.ArgumentTypeError(str(exc)) from None
 
@@ -71,8 +65,20 @@ def _argument(parse: Callable[[str], Any], what: str) -> Callable[[str], Any]:
     return convert
 
 
-_duration = _argument(parse_duration, "duration")
-_memory = _argument(parse_memory, "memory size")
+def _parse_duration() -> Callable[[str], float]:
+    from .launcher.chaos import parse_duration
+
+    return parse_duration
+
+
+def _parse_memory() -> Callable[[str], int]:
+    from .launcher.resources import parse_memory
+
+    return parse_memory
+
+
+_duration = _argument(_parse_duration, "duration")
+_memory = _argument(_parse_memory, "memory size")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -115,7 +121,8 @@ def _parser() -> argparse.ArgumentParser:
                     "comma-separated, or @FILE; kinds: kill, maintenance, preempt, oom, "
                     "stockout, internal, hang (hang:1@step40+30s), slow (slow:1@20s+60s*0.25)")
     lp.add_argument("--chaos-seed", type=int, default=0)
-    lp.add_argument("--policy", type=Path, help="restart policy JSON file (default: the platform's)")
+    lp.add_argument("--policy", type=Path,
+                    help="restart policy JSON file (default: the platform's)")
     lp.add_argument("--strategy", choices=[s.value for s in Strategy],
                     help="(default standard)")
     lp.add_argument("--max-wait", type=_duration, metavar="DURATION",
@@ -163,7 +170,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.cmd == "launch":
         return _launch(args, parser)
     if args.cmd == "checkpoints":
-        from .checkpoint_cli import run_checkpoints  # imports torch: only when asked
+        from .checkpoint_cli import run_checkpoints  # the directory library only
 
         return run_checkpoints(args)
     if args.cmd == "report":
@@ -172,11 +179,18 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _launch(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    from .launcher.chaos import ChaosSpecError
+    from .launcher.jobspec import JobSpecError, load_job_spec
+    from .launcher.messages import STATUS_FAULT_NOT_FIRED, STATUS_INTERNAL
+    from .launcher.policy import PolicyError
+    from .launcher.runner import Launcher, LaunchError
+
     command = list(args.command)
     if command and command[0] == "--":
         command = command[1:]
     if not command and args.job_spec is None:
-        parser.error("launch needs a command after --, e.g. resilient-train launch -- python train.py")
+        parser.error("launch needs a command after --, e.g. "
+                     "resilient-train launch -- python train.py")
     try:
         spec = load_job_spec(args.job_spec) if args.job_spec is not None else None
         options, notes = _options(args, tuple(command), spec)
@@ -218,6 +232,17 @@ def _options(args: argparse.Namespace, command: tuple[str, ...],
 
     An option given on the command line beats the job spec, which beats the default; a
     command after -- replaces the spec's (programs.plan_pools has the details)."""
+    from .launcher.chaos import load_chaos
+    from .launcher.policy import (
+        default_policy,
+        load_policy,
+        with_platform_defaults,
+        without_retries,
+    )
+    from .launcher.programs import PoolProgram, plan_pools
+    from .launcher.resources import detect_gpus, memory_limit_for
+    from .launcher.runner import LaunchError, LaunchOptions
+
     notes: list[str] = []
     if spec is not None:
         notes += spec.notes_for("fields")
@@ -323,6 +348,11 @@ def _job_name(display_name: str | None) -> str:
 
 
 def _status(args: argparse.Namespace) -> int:
+    from .launcher.events import Event
+    from .launcher.messages import JobState
+    from .launcher.record import read_job
+    from .launcher.jobrecord import launcher_alive
+
     try:
         job = read_job(args.job_dir)
     except (FileNotFoundError, json.JSONDecodeError) as exc:
@@ -333,7 +363,8 @@ def _status(args: argparse.Namespace) -> int:
         return 0
     print(f"job       {job['name']}")
     stale = ""
-    if job["state"] not in _TERMINAL and launcher_alive(job) is False:
+    terminal = {s.value for s in JobState if s.terminal}
+    if job["state"] not in terminal and launcher_alive(job) is False:
         stale = "  (stale: its launcher is no longer running; the job was not finished)"
     print(f"state     {job['state']}{stale}")
     print(f"created   {job['create_time']}")
@@ -366,12 +397,14 @@ def _status(args: argparse.Namespace) -> int:
             print(f"  {replica:16} {r['status']:9} restarts {r['restarts']} {free}"
                   f"  exit codes {codes}")
     if args.events:
-        for e in job.get("events", []):
-            print(f"  +{e['elapsed_s']:9.3f}s  {e['message']}")
+        for e in map(Event.from_json, job.get("events", [])):
+            print(f"  +{e.elapsed_s:9.3f}s  {e.message}")
     return 0
 
 
 def _report(args: argparse.Namespace) -> int:
+    from .report import ReportError, write_report
+
     try:
         path = write_report(args.job_dir, args.output)
     except (ReportError, OSError) as exc:

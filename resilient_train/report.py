@@ -12,12 +12,15 @@ From ``JOB_DIR/job.json`` and the telemetry every worker life wrote (telemetry.p
 
 No network, no script, no plotting library: the page is HTML, CSS and SVG only. Every
 string from the record is escaped. ``render_report`` is pure (data in, HTML out);
-``write_report`` reads a job directory and writes the page.
+``write_report`` reads a job directory and writes the page. The record's events are read by
+their typed fields (launcher/events.py), never by parsing their messages: a record written
+before events had fields draws its lives and states, but not its faults' kinds or targets.
 """
 
 from __future__ import annotations
 
 import datetime as _dt
+import functools
 import html
 import itertools
 import json
@@ -29,8 +32,10 @@ from pathlib import Path
 from typing import Any
 
 from .goodput import redone_steps
+from .launcher.events import Event, EventKind, decision_summary, iso
 from .launcher.record import JOB_FILE, mask_command, read_job, telemetry_prefixes
 from .telemetry import LifeTelemetry, Segment, read_life
+from .text import format_duration
 
 log = logging.getLogger(__name__)
 
@@ -106,17 +111,8 @@ def _epoch(iso_time: str | None) -> float | None:
     return _dt.datetime.fromisoformat(str(iso_time).replace("Z", "+00:00")).timestamp()
 
 
-def _dur(seconds: float) -> str:
-    """A duration for a person: 0.35 s, 12.3 s, 4 min 05 s, 2 h 03 min."""
-    if seconds < 10:
-        return f"{seconds:.2f} s"
-    if seconds < 120:
-        return f"{seconds:.1f} s"
-    if seconds < 3600:
-        m, s = divmod(round(seconds), 60)
-        return f"{m} min {s:02d} s"
-    h, m = divmod(round(seconds / 60), 60)
-    return f"{h} h {m:02d} min"
+# A duration in a column: 0.35 s, 12.3 s, 4 min 05 s, 2 h 03 min.
+_dur = functools.partial(format_duration, fixed=True)
 
 
 def _at(t: float) -> str:
@@ -190,66 +186,49 @@ class _Lane:
     primary: bool
 
 
-_FAULT_PATTERNS = [
-    # hang and slow go on: "... at step 40 for 30 s", "... at step 40: 25% speed for 60 s"
-    (re.compile(r"^chaos: (?P<kind>[\w-]+) on (?P<target>[^\s:]+)( at step \d+)?($|:? )"),
-     None),
-    (re.compile(r"^chaos: (?P<kind>[\w-]+) \(whole job\)"), None),
-    (re.compile(r"^(?P<target>\S+): out of memory\b"), "oom"),
-    (re.compile(r"^(?P<target>\S+): killed by the kernel's out-of-memory killer"), "oom"),
-    (re.compile(r"^(?P<target>\S+): killed by \S+ from outside"), "kill"),
-]
-
-
+# The events drawn as faults: the launcher's notes of one, and the job-wide ends.
+_FAULT_EVENTS = (EventKind.FAULT, EventKind.TIMEOUT, EventKind.STOCKOUT)
 _STALL_KINDS = ("hang", "slow")   # the replica stays alive: no restart needed to recover
 
 
-def _fault(event: Mapping[str, Any], index: int) -> _Fault:
-    message = str(event.get("message", ""))
-    kind: str = str(event.get("kind", "fault"))
-    target = event.get("replica")
-    for pattern, fixed_kind in _FAULT_PATTERNS:
-        m = pattern.match(message)
-        if m:
-            groups = m.groupdict()
-            kind = fixed_kind or groups.get("kind") or kind
-            target = groups.get("target", target)
-            break
-    return _Fault(float(event["elapsed_s"]), kind, None if target is None else str(target),
-                  message, _int_or_none(event.get("attempt")), index)
+def _fault(event: Event, index: int) -> _Fault:
+    # A fault note names its kind; a timeout or a stockout is its own kind.
+    kind = event.fault or event.kind.value
+    return _Fault(event.elapsed_s, kind, event.replica, event.message, event.attempt, index)
 
 
-def _int_or_none(value: Any) -> int | None:
-    return None if value is None else int(value)
+def _events(job: Mapping[str, Any]) -> list[Event]:
+    """The record's events, in the order things happened in (an injected fault is noted a
+    few microseconds after the decision it causes was stamped)."""
+    return [Event.from_json(e) for e in job.get("events") or []]
 
 
-def _replicas(job: Mapping[str, Any], telemetry: Mapping[str, Any]) -> list[str]:
+def _replicas(job: Mapping[str, Any], events: Sequence[Event],
+              telemetry: Mapping[str, Any]) -> list[str]:
     """Every replica of any attempt, the job's rank order first."""
     names: list[str] = [str(r) for r in job.get("replicas") or []]
     for att in job.get("attempts") or []:
         names += [str(r) for r in att.get("replicas") or {}]
-    names += [str(e["replica"]) for e in job.get("events") or [] if e.get("replica")]
+    names += [e.replica for e in events if e.replica]
     names += list(telemetry)
     return list(dict.fromkeys(names))
 
 
-def _lives(events: Sequence[Mapping[str, Any]], replica: str) -> list[_Life]:
+def _lives(events: Sequence[Event], replica: str) -> list[_Life]:
     lives: list[_Life] = []
     open_start: float | None = None
     open_attempt: int | None = None
     for e in events:
-        if e.get("replica") != replica:
+        if e.replica != replica:
             continue
-        kind, t = e.get("kind"), float(e["elapsed_s"])
-        if kind == "started":
+        if e.kind is EventKind.STARTED:
             if open_start is not None:   # a start without an exit in between: close it here
-                lives.append(_Life(replica, open_start, t, None, None, None, open_attempt))
-            open_start, open_attempt = t, _int_or_none(e.get("attempt"))
-        elif kind in ("exited", "stopped") and open_start is not None:
-            lives.append(_Life(replica, open_start, t, str(kind),
-                               _int_or_none(e.get("exit_code")),
-                               None if e.get("cause") is None else str(e["cause"]),
-                               open_attempt))
+                lives.append(_Life(replica, open_start, e.elapsed_s, None, None, None,
+                                   open_attempt))
+            open_start, open_attempt = e.elapsed_s, e.attempt
+        elif e.kind in (EventKind.EXITED, EventKind.STOPPED) and open_start is not None:
+            lives.append(_Life(replica, open_start, e.elapsed_s, e.kind.value, e.exit_code,
+                               e.cause, open_attempt))
             open_start = None
     if open_start is not None:
         lives.append(_Life(replica, open_start, None, None, None, None, open_attempt))
@@ -371,29 +350,39 @@ def _step_at(segments: Sequence[Segment], t: float) -> int | None:
     return best
 
 
-def _costs(faults: Sequence[_Fault], events: Sequence[Mapping[str, Any]],
-           primary_segments: Sequence[Segment]) -> list[_Cost]:
+def _consequence(decision: Event, job_name: str) -> str:
+    """A decision as the record's line for it says it, rendered from its fields."""
+    if decision.action is None:   # a record from before typed events
+        return ""
+    who = decision.replica or f"job {job_name}"
+    return f"{who}: " + decision_summary(decision.action, decision.rule, decision.budget,
+                                         decision.budget_used, decision.budget_limit)
+
+
+def _costs(faults: Sequence[_Fault], events: Sequence[Event],
+           primary_segments: Sequence[Segment], job_name: str) -> list[_Cost]:
     """What each fault cost, judged by the primary: it trains in lockstep with the others."""
     out = []
     for f in faults:
         after = events[f.index + 1:]
-        decision = next((str(e.get("message", "")) for e in after
-                         if e.get("kind") == "decision"), "")
+        decision = next((_consequence(e, job_name) for e in after
+                         if e.kind is EventKind.DECISION), "")
         # The disruption lasts until the target (any replica, for a job-wide fault) starts
         # again; training resumes in the primary's first segment after that.
-        restart = next((float(e["elapsed_s"]) for e in after
-                        if e.get("kind") == "started"
-                        and (f.target is None or e.get("replica") == f.target)), f.t)
+        restart = next((e.elapsed_s for e in after
+                        if e.kind is EventKind.STARTED
+                        and (f.target is None or e.replica == f.target)), f.t)
         if f.kind in _STALL_KINDS:
             # A hang or slow-down whose duration ran out before anything restarted: the
             # replica went on where it was, so its end is the recovery and nothing is redone.
-            over = re.compile(rf"^chaos: {re.escape(str(f.target))} resumed( full speed)? "
-                              r"after [\d.]+ s$")
-            end = next((i for i, e in enumerate(after) if over.match(str(e.get("message", "")))),
-                       None)
-            if end is not None and not any(e.get("kind") in ("started", "decision")
+            # One that something cut short (a SIGTERM to deliver, a stall replacing it) says
+            # so in its detail, and is no recovery.
+            end = next((i for i, e in enumerate(after)
+                        if e.kind is EventKind.FAULT_OVER and e.replica == f.target
+                        and e.detail is None), None)
+            if end is not None and not any(e.kind in (EventKind.STARTED, EventKind.DECISION)
                                            for e in after[:end]):
-                t_end = float(after[end]["elapsed_s"])
+                t_end = after[end].elapsed_s
                 out.append(_Cost(_step_at(primary_segments, f.t), "", t_end,
                                  _step_at(primary_segments, t_end), 0))
                 continue
@@ -714,9 +703,9 @@ tr.state td { background: #f1f8f1; } tr.error td { background: #fdecea; font-wei
 """
 
 
-def _state_spans(events: Sequence[Mapping[str, Any]], end: float) -> list[tuple[float, float, str]]:
-    changes = [(float(e["elapsed_s"]), str(e.get("state", "")))
-               for e in events if e.get("kind") == "state" and e.get("state")]
+def _state_spans(events: Sequence[Event], end: float) -> list[tuple[float, float, str]]:
+    changes = [(e.elapsed_s, e.state) for e in events
+               if e.kind is EventKind.STATE and e.state]
     spans = []
     for i, (t, state) in enumerate(changes):
         t1 = changes[i + 1][0] if i + 1 < len(changes) else end
@@ -816,19 +805,19 @@ def _faults_section(faults: Sequence[_Fault], costs: Sequence[_Cost], has_teleme
     return "\n".join(out)
 
 
-def _events_section(events: Sequence[Mapping[str, Any]]) -> str:
+def _events_section(events: Sequence[Event]) -> str:
     out = ["<h2>Events</h2>",
            ('<table><tr><th class="num">time</th><th class="num">attempt</th><th>replica</th>'
             '<th>kind</th><th>message</th></tr>')]
     for e in events:
-        kind = str(e.get("kind", ""))
+        kind = e.kind.value
         css = kind if kind in ("fault", "exited", "state", "error") else ""
-        attempt = e.get("attempt")
-        out.append(f'<tr class="{css}" title="{_esc(e.get("time", ""))}">'
-                   f'<td class="num">{float(e["elapsed_s"]):.3f} s</td>'
+        attempt = e.attempt
+        out.append(f'<tr class="{css}" title="{_esc(iso(e.time) if e.time else "")}">'
+                   f'<td class="num">{e.elapsed_s:.3f} s</td>'
                    f'<td class="num">{_esc("" if attempt is None else attempt)}</td>'
-                   f'<td>{_esc(e.get("replica") or "")}</td><td>{_esc(kind)}</td>'
-                   f'<td>{_esc(e.get("message", ""))}</td></tr>')
+                   f'<td>{_esc(e.replica or "")}</td><td>{_esc(kind)}</td>'
+                   f'<td>{_esc(e.message)}</td></tr>')
     out.append("</table>")
     return "\n".join(out)
 
@@ -841,9 +830,7 @@ def render_report(job: Mapping[str, Any],
     created = _epoch(job.get("create_time"))
     if created is None:
         raise ValueError("the job record has no create_time")
-    # The record's order is the order things happened in (an injected fault is noted a few
-    # microseconds after the decision it causes was stamped).
-    events: list[Mapping[str, Any]] = list(job.get("events") or [])
+    events = _events(job)
     ended = _epoch(job.get("end_time"))
     finished = ended is not None
     segments = {r: sorted((_rel(s, created) for life in lives for s in life.segments),
@@ -851,17 +838,17 @@ def render_report(job: Mapping[str, Any],
     saves = {r: sorted((t - created, step, blocking) for life in lives
                        for t, step, blocking in life.saves) for r, lives in telemetry.items()}
     end = max([ended - created if ended is not None else 0.0]
-              + [float(e["elapsed_s"]) for e in events]
+              + [e.elapsed_s for e in events]
               + [_seg_end(s) for segs in segments.values() for s in segs]
               + [t for sv in saves.values() for t, _, _ in sv] + [1e-3])
     any_telemetry = any(segments.values())
-    replicas = _replicas(job, telemetry)
+    replicas = _replicas(job, events, telemetry)
     primary = replicas[0] if replicas else ""
     lanes = [_lane(r, r == primary, _lives(events, r), segments.get(r, []), saves.get(r, []),
                    end, any_telemetry) for r in replicas]
-    faults = [_fault(e, i) for i, e in enumerate(events)
-              if e.get("kind") in ("fault", "timeout", "stockout")]
-    costs = _costs(faults, events, segments.get(primary, []))
+    faults = [_fault(e, i) for i, e in enumerate(events) if e.kind in _FAULT_EVENTS]
+    name = str(job.get("name", "?"))
+    costs = _costs(faults, events, segments.get(primary, []), name)
     retries = []
     attempts = job.get("attempts") or []
     for prev, att in itertools.pairwise(attempts):
@@ -871,7 +858,6 @@ def render_report(job: Mapping[str, Any],
                             (f"attempt {att.get('attempt')} starts at {_at(t - created)}; "
                              f"attempt {prev.get('attempt')} ended: {prev.get('result')}")))
     timeline = _timeline_svg(lanes, _state_spans(events, end), faults, costs, retries, end)
-    name = str(job.get("name", "?"))
     parts = [
         "<!DOCTYPE html>", '<html lang="en"><head><meta charset="utf-8"/>',
         f"<title>{_esc(name)}: job report</title>", f"<style>{_CSS}</style></head><body>",
@@ -912,8 +898,8 @@ def write_report(job_dir: str | Path, out: str | Path | None = None) -> Path:
                           f"record written by 'resilient-train launch'?") from None
     if not isinstance(job, dict):
         raise ReportError(f"{job_dir / JOB_FILE} is not a job record (not a JSON object)")
-    replicas = _replicas(job, {})
     try:
+        replicas = _replicas(job, _events(job), {})
         page = render_report(job, read_telemetry(job_dir, replicas))
     except (KeyError, TypeError, ValueError) as exc:
         raise ReportError(f"{job_dir / JOB_FILE} is not a job record this version can read: "

@@ -31,11 +31,11 @@ from typing import Any
 log = logging.getLogger(__name__)
 
 TELEMETRY_ENV = "RESILIENT_TRAIN_TELEMETRY"
-# Set by the launcher on a worker life started after failures: seconds of running per
-# failure so far in this job (read by the auto checkpoint interval).
-OBSERVED_MTBF_ENV = "RESILIENT_TRAIN_OBSERVED_MTBF_S"
-# The same, live: a JSON file {"since": epoch seconds, "failures": N} that the launcher
-# rewrites at each failure, so a process that survives them sees the job's MTBF change.
+# Seconds of running per failure, read by the auto checkpoint interval when set. The
+# launcher does not set it: the failure log below is its one channel.
+# The job's failures, live: a JSON file {"since": epoch seconds, "failures": N} that the
+# launcher rewrites at each failure, so every worker life, restarted or one that survives
+# failures, sees the job's observed MTBF (ObservedMtbf).
 FAILURES_ENV = "RESILIENT_TRAIN_FAILURES_FILE"
 
 # magic, first_step, t_start, t_first, blocking_s, then last_step, t_last (epoch seconds):

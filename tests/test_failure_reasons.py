@@ -16,6 +16,7 @@ from test_job_machine import FakeCluster, running
 from test_launcher_e2e import E2E, e2e, replica  # noqa: F401
 
 from resilient_train import cli
+from resilient_train.launcher.events import EventKind
 from resilient_train.launcher.job import PEER_LOSS_WINDOW_S, PRIMARY
 from resilient_train.launcher.logtail import (
     peer_connection_error,
@@ -188,8 +189,9 @@ def test_a_survivor_failing_on_a_lost_peer_s_connection_is_told_why_and_what_to_
 def test_a_peer_whose_sigterm_was_sent_counts_before_its_exit() -> None:
     # A preemption: the fault's event comes at the SIGTERM, the peer's exit after its grace.
     c = running(3)
-    c.machine.note(c.now, "chaos: preempt on workerpool1-1", replica="workerpool1-1",
-                   cause="preemption")
+    c.machine.note(c.now, EventKind.FAULT, "chaos: preempt on workerpool1-1",
+                   replica="workerpool1-1", cause="preemption", fault="preempt",
+                   injected=True, counts_as_failure=True)
     c.later(2.5)
     exit_after_peer(c, W1, 1, "RuntimeError: Connection closed by peer [127.0.0.1]:5940")
     message = c.record["error"]["message"]
@@ -217,7 +219,8 @@ def test_no_cause_line_without_both_a_recent_loss_and_a_connection_error(case: s
 
 def test_with_restart_all_set_the_cause_line_does_not_suggest_it() -> None:
     c = running(2, restart_job_on_worker_restart=True)
-    c.machine.note(c.now, "chaos: kill on workerpool1-0", replica=W1, cause="node_loss")
+    c.machine.note(c.now, EventKind.FAULT, "chaos: kill on workerpool1-0", replica=W1,
+                   cause="node_loss", fault="kill", injected=True, counts_as_failure=True)
     c.later(0.2)
     exit_after_peer(c, PRIMARY, 1, GLOO_ERROR)
     message = c.record["error"]["message"]

@@ -1,4 +1,4 @@
-"""The job state machine against PLATFORM.md sections 1-4.
+"""The job state machine against the platform's lifecycle and restart rules (docs/platform.md).
 
 ``FakeCluster`` plays the runner: a fake clock, fake workers, and a queue of the
 machine's commands that it executes one by one (StartWorker -> worker_started,
@@ -202,7 +202,7 @@ def user_error(replica: str, code: int, reason: str = "Error", excerpt: str | No
     return message + ("\n" + excerpt if excerpt else "")
 
 
-# --- section 1: the lifecycle --------------------------------------------------------------
+# --- the lifecycle ----------------------------------------------------------------------------
 
 def test_lifecycle_queued_pending_running_succeeded() -> None:
     c = FakeCluster(3)
@@ -262,7 +262,7 @@ def test_rule3_out_of_memory_fails_with_the_oom_message() -> None:
     oom = "The replica workerpool1-0 ran out of memory and exited with a non-zero status of 137."
     c.assert_ended(JobState.FAILED, 137, (3, oom))
     assert c.replica(PRIMARY)["status"] == "stopped"
-    assert c.record["attempts"][0]["result"] == "failed: 3-out-of-memory"
+    assert c.record["attempts"][0]["result"] == "failed: out-of-memory"
 
 
 @pytest.mark.parametrize("code", [6, 11, 134, 139, 128 + 6, 128 + 11])
@@ -270,7 +270,7 @@ def test_rule4_transient_exit_codes_retry_the_whole_job(code: int) -> None:
     c = running(3).later(10).exit(W2, code)
     assert c.state is JobState.RUNNING
     first, second = c.record["attempts"]
-    assert first["result"] == "retry: 4-transient-exit-code"
+    assert first["result"] == "retry: transient-exit-code"
     assert first["replicas"][W2]["exit_codes"] == [code]
     assert first["replicas"][PRIMARY] == {"status": "stopped", "restarts": 0,
                                           "uncounted_restarts": 0, "peer_restarts": 0,
@@ -284,7 +284,7 @@ def test_rule4_transient_exit_codes_retry_the_whole_job(code: int) -> None:
 def test_rule5_stockout_retries_the_job() -> None:
     c = running(2).fault(Cause.STOCKOUT)
     assert c.state is JobState.RUNNING
-    assert [a["result"] for a in c.record["attempts"]] == ["retry: 5-stockout", None]
+    assert [a["result"] for a in c.record["attempts"]] == ["retry: stockout", None]
     assert c.used("job_retries") == 1
 
 
@@ -319,7 +319,7 @@ def test_rule5_flex_start_stockout_waits_in_queued_without_spending_retries() ->
     c.capacity = "busy"
     c.fault(Cause.STOCKOUT)
     assert c.state is JobState.QUEUED and not c.alive
-    assert c.record["attempts"][0]["result"] == "requeue: 5-stockout"
+    assert c.record["attempts"][0]["result"] == "requeue: stockout"
     assert c.machine.next_deadline() == c.now + HOUR
     c.tick(HOUR - 1)
     assert c.state is JobState.QUEUED
@@ -413,7 +413,7 @@ def test_rule8_exit_1_fails_at_once_with_the_user_code_message_and_excerpt() -> 
     assert c.record["error"]["message"].splitlines()[:2] == [
         "The replica workerpool1-0 exited with a non-zero status of 1. Termination reason: Error.",
         "Traceback (most recent call last):"]
-    assert c.record["attempts"][0]["result"] == "failed: 8-user-code-error"
+    assert c.record["attempts"][0]["result"] == "failed: user-code-error"
     error_events = [e for e in c.record["events"] if e["kind"] == "error"]
     assert error_events[-1]["message"].endswith("Termination reason: Error.")   # first line only
 
@@ -438,7 +438,7 @@ def test_fifth_worker_restart_is_allowed_and_sixth_failure_retries_the_job() -> 
     assert c.replica(W1)["restarts"] == 5 and c.used("worker_restarts") == 5
     c.exit(W1, 137, Cause.NODE_LOSS)                       # the 6th failure
     first, second = c.record["attempts"]
-    assert first["result"] == "retry: 7-infrastructure-fault"
+    assert first["result"] == "retry: infrastructure-fault"
     assert first["replicas"][W1]["restarts"] == 5 and len(first["replicas"][W1]["exit_codes"]) == 6
     assert second["replicas"][W1]["restarts"] == 0        # fresh per-worker counters
     assert c.used("worker_restarts") == 0 and c.used("job_retries") == 1
@@ -454,7 +454,7 @@ def test_third_job_retry_is_allowed_and_fourth_failure_fails_the_job() -> None:
     c.exit(W1, 134)
     c.assert_ended(JobState.FAILED, 134, (3, user_error(W1, 134)))
     assert len(c.record["attempts"]) == 4
-    assert c.record["attempts"][-1]["result"] == "failed: 4-transient-exit-code"
+    assert c.record["attempts"][-1]["result"] == "failed: transient-exit-code"
 
 
 def test_job_retries_are_shared_by_every_kind_of_retry() -> None:
@@ -657,7 +657,7 @@ def test_a_failure_during_cancelling_changes_nothing() -> None:
 
 
 def test_a_failed_job_never_exits_0_even_when_its_last_worker_did() -> None:
-    """A worker that catches SIGTERM on a preemption may exit 0 (PLATFORM.md section 7)."""
+    """A worker that catches SIGTERM on a preemption may exit 0 (docs/platform.md, "Signals")."""
     c = running(2, disable_retries=True).fail_n(W1, 6, 0, Cause.PREEMPTION)
     assert c.state is JobState.FAILED
     assert c.machine.exit_status == 1
@@ -721,7 +721,7 @@ def test_a_policy_file_names_its_exceptions_and_the_platform_table_does_the_rest
     c = running(2, policy=policy).exit(W1, 42)
     # A restart paid from a job-scoped budget is a restart of the replica all the same.
     assert c.state is JobState.RUNNING and c.replica(W1)["restarts"] == 1
-    c.exit(W1, 0)  # a worker done: rule 2 of the platform's table, not a failure
+    c.exit(W1, 0)  # a worker done: worker-finished, not a failure
     assert c.replica(W1)["status"] == "done"
     c.succeed().assert_ended(JobState.SUCCEEDED, 0)
     # An OOM that the file does not mention is still the platform's permanent OOM.
@@ -866,7 +866,8 @@ def test_property_random_outcomes_keep_budgets_and_always_end(
 # --- strategy defaults and edge options ----------------------------------------------------
 
 def test_spot_preemption_budget_exhausted_fails_with_the_stockout_message() -> None:
-    """On Spot VMs a preemption surfaces as a stockout (PLATFORM.md section 2)."""
+    """On Spot VMs a preemption surfaces as a stockout (docs/platform.md, "Scheduling
+    strategies")."""
     c = running(2, strategy=Strategy.SPOT)
     for _ in range(7):
         c.exit(W1, 143, Cause.PREEMPTION)
@@ -877,7 +878,7 @@ def test_the_strategy_alone_selects_the_platform_table() -> None:
     from resilient_train.launcher.policy import Action, Outcome
 
     spot = JobConfig("j", replica_names(2), strategy=Strategy.SPOT).rules
-    assert any(r.name == "7-spot-preemption" for r in spot.rules)
+    assert any(r.name == "spot-preemption" for r in spot.rules)
     flex_rules = JobConfig("j", replica_names(2), strategy=Strategy.FLEX_START).rules
     rule = flex_rules.first_match(Outcome(None, False, Cause.STOCKOUT, None))
     assert rule is not None and rule.steps[0].action is Action.WAIT_FOR_CAPACITY
@@ -885,7 +886,7 @@ def test_the_strategy_alone_selects_the_platform_table() -> None:
 
 def test_restart_job_on_worker_restart_never_restarts_a_finished_worker() -> None:
     c = running(3, restart_job_on_worker_restart=True)
-    c.exit(W2, 0)                                          # done, rule 2
+    c.exit(W2, 0)                                          # done: worker-finished
     c.exit(W1, 137, Cause.NODE_LOSS)
     assert set(c.alive) == {PRIMARY, W1}
     assert c.replica(W2)["status"] == "done"

@@ -1,4 +1,4 @@
-"""End-to-end tests of the launcher with real worker processes (PLATFORM.md sections 1-7).
+"""End-to-end tests of the launcher with real worker processes (docs/platform.md).
 
 Workers are the small scripts in tests/workers/. They write marker files into a
 per-test ready directory, and the tests wait on those files (never on a fixed sleep).
@@ -31,6 +31,7 @@ import pytest
 from resilient_train import cli
 from resilient_train.launcher import runner
 from resilient_train.launcher.record import read_job
+from resilient_train.telemetry import ObservedMtbf
 
 WORKERS = Path(__file__).resolve().parent / "workers"
 REPO = Path(__file__).resolve().parents[1]
@@ -342,6 +343,7 @@ def test_kill_chaos_restarts_the_worker_with_rising_restart_count(e2e: E2E) -> N
     assert rec["budgets"]["worker_restarts"]["used"] == 2
     # Each life sees its own restart count; the replica keeps its name and rank.
     lives = e2e.files("workerpool1-0.a1.r*.env")
+    failures = e2e.job_dir() / "telemetry" / "failures.json"
     assert "workerpool1-0.a1.r2.env" in [p.name for p in lives]
     for path in lives:
         env = json.loads(path.read_text())["env"]
@@ -351,9 +353,11 @@ def test_kill_chaos_restarts_the_worker_with_rising_restart_count(e2e: E2E) -> N
         # Each life reports its progress to its own telemetry files (goodput accounting),
         assert env["RESILIENT_TRAIN_TELEMETRY"].endswith(
             f"telemetry/attempt-1/workerpool1-0.restart-{restart}")
-        # and a life started after failures learns the job's observed MTBF so far.
-        mtbf = env.get("RESILIENT_TRAIN_OBSERVED_MTBF_S")
-        assert (mtbf is None) == (restart == "0") and (mtbf is None or float(mtbf) > 0)
+        # and every life learns the job's observed MTBF by one channel, the failure log.
+        assert env["RESILIENT_TRAIN_FAILURES_FILE"] == str(failures)
+        assert "RESILIENT_TRAIN_OBSERVED_MTBF_S" not in env
+    mtbf = ObservedMtbf(failures).at(time.time())
+    assert json.loads(failures.read_text())["failures"] == 2 and mtbf is not None and mtbf > 0
     assert [p.name for p in e2e.files("workerpool0-0.*.env")] == ["workerpool0-0.a1.r0.env"]
     assert "chaos: kill on workerpool1-0" in out
 
@@ -435,7 +439,7 @@ def test_a_bug_fails_the_job_at_once_with_the_traceback(e2e: E2E) -> None:
     assert replica(rec, "workerpool1-0")["restarts"] == 0
     assert replica(rec, PRIMARY)["status"] == "stopped"
     assert rec["budgets"]["job_retries"]["used"] == 0
-    assert rec["attempts"][0]["result"] == "failed: 8-user-code-error"
+    assert rec["attempts"][0]["result"] == "failed: user-code-error"
 
 
 def test_an_accelerator_oom_fails_the_job_as_out_of_memory(e2e: E2E) -> None:
@@ -461,7 +465,7 @@ def test_exit_134_retries_the_job_three_times_then_fails(e2e: E2E) -> None:
                               "134. Termination reason: Error."}
     assert [a["attempt"] for a in rec["attempts"]] == [1, 2, 3, 4]
     assert [a["result"] for a in rec["attempts"]] == [
-        "retry: 4-transient-exit-code"] * 3 + ["failed: 4-transient-exit-code"]
+        "retry: transient-exit-code"] * 3 + ["failed: transient-exit-code"]
     assert all(a["replicas"][PRIMARY]["exit_codes"] == [134] for a in rec["attempts"])
     assert rec["budgets"]["job_retries"] == {"limit": 3, "scope": "job", "used": 3}
     # Each attempt ran the user's code afresh; as under torchrun, a whole-job retry
@@ -497,7 +501,7 @@ def test_a_job_wide_fault_during_a_retry_hits_the_next_attempt(e2e: E2E) -> None
                                 script="ignore_term.py")
     assert (status, rec["state"]) == (0, "JOB_STATE_SUCCEEDED")
     assert [a["result"] for a in rec["attempts"]] == [
-        "retry: 6-internal-error", "retry: 5-stockout", "succeeded"]
+        "retry: internal-error", "retry: stockout", "succeeded"]
 
 
 def test_maintenance_restarts_the_worker_without_counting(e2e: E2E) -> None:
@@ -509,7 +513,7 @@ def test_maintenance_restarts_the_worker_without_counting(e2e: E2E) -> None:
     assert (r["restarts"], r["uncounted_restarts"]) == (0, 1)
     assert r["exit_codes"][0] == 143  # SIGTERM first, as a VM shutdown does
     assert rec["budgets"]["worker_restarts"]["used"] == 0
-    assert "workerpool1-0: restart_worker (7-maintenance)" in event_messages(rec)
+    assert "workerpool1-0: restart_worker (maintenance)" in event_messages(rec)
 
 
 def test_sigterm_goes_to_the_main_process_only_so_a_dataloader_survives_it(e2e: E2E) -> None:
@@ -546,7 +550,7 @@ def test_real_allocation_over_the_memory_limit_is_oom(e2e: E2E) -> None:
 @pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM], ids=["SIGKILL", "SIGTERM"])
 def test_a_worker_killed_from_outside_is_a_node_loss_and_restarts(e2e: E2E, sig: int) -> None:
     # Rule 7: a worker killed from outside (not by the launcher, not by its own crash) is an
-    # infrastructure fault, restarted in place with the same name; not a bug (rule 8).
+    # infrastructure fault, restarted in place with the same name; not a bug (user-code-error).
     e2e.primary_waits_for("workerpool1-0.a1.r1.ready")
     proc, out = e2e.spawn("--workers", "2")
     victim = e2e.wait_file("workerpool1-0.a1.r0.ready")
@@ -926,7 +930,7 @@ def test_status_prints_state_attempts_and_error(e2e: E2E) -> None:
     assert "state     JOB_STATE_FAILED" in text
     assert ("error     code 3: The replica workerpool1-0 exited with a non-zero status of 3. "
             "Termination reason: Error.") in text
-    assert "attempt 1:" in text and "failed: 8-user-code-error" in text
+    assert "attempt 1:" in text and "failed: user-code-error" in text
     assert "workerpool1-0" in text and "exit codes 3" in text
     assert cli.main(["status", "--json", str(e2e.job_dir())]) == 0
     assert json.loads(e2e.capsys.readouterr().out)["state"] == "JOB_STATE_FAILED"

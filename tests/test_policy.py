@@ -1,4 +1,4 @@
-"""The restart policy: the default table of PLATFORM.md section 4, its budgets, the
+"""The restart policy: the platform's restart rules (docs/platform.md), its budgets, the
 ``disable_retries`` transformation and the JSON file form (with its error messages)."""
 
 from __future__ import annotations
@@ -42,31 +42,31 @@ def decide(policy: Policy, out: Outcome) -> tuple[str, list[tuple[Action, str | 
 
 RETRY = (Action.RETRY_JOB, "job_retries")
 
-# (outcome, rule name, steps) for the STANDARD strategy: one line per row of section 4.
+# (outcome, rule name, steps) for the STANDARD strategy: one line per rule of the default table (docs/platform.md, "Restart rules").
 DEFAULT_TABLE = [
-    (outcome(Cause.EXIT, 0, PRIMARY), "1-primary-succeeded", [(Action.SUCCEED_JOB, None)]),
-    (outcome(Cause.EXIT, 0), "2-worker-finished", [(Action.WORKER_DONE, None)]),
-    (outcome(Cause.OOM, 137), "3-out-of-memory", [(Action.FAIL_JOB, None)]),
-    (outcome(Cause.OOM, 0, PRIMARY), "3-out-of-memory", [(Action.FAIL_JOB, None)]),
-    *[(outcome(Cause.EXIT, code), "4-transient-exit-code", [RETRY]) for code in (6, 11, 134, 139)],
-    (outcome(Cause.EXIT, 134, PRIMARY), "4-transient-exit-code", [RETRY]),
-    (outcome(Cause.STOCKOUT, None, None), "5-stockout", [RETRY]),
-    (outcome(Cause.INTERNAL, None, None), "6-internal-error", [(Action.RETRY_JOB, "internal_retries")]),
-    (outcome(Cause.INTERNAL, 70), "6-internal-error", [(Action.RETRY_JOB, "internal_retries")]),
-    (outcome(Cause.MAINTENANCE, 143), "7-maintenance", [(Action.RESTART_WORKER, None)]),
-    (outcome(Cause.PREEMPTION, 143), "7-infrastructure-fault",
+    (outcome(Cause.EXIT, 0, PRIMARY), "primary-succeeded", [(Action.SUCCEED_JOB, None)]),
+    (outcome(Cause.EXIT, 0), "worker-finished", [(Action.WORKER_DONE, None)]),
+    (outcome(Cause.OOM, 137), "out-of-memory", [(Action.FAIL_JOB, None)]),
+    (outcome(Cause.OOM, 0, PRIMARY), "out-of-memory", [(Action.FAIL_JOB, None)]),
+    *[(outcome(Cause.EXIT, code), "transient-exit-code", [RETRY]) for code in (6, 11, 134, 139)],
+    (outcome(Cause.EXIT, 134, PRIMARY), "transient-exit-code", [RETRY]),
+    (outcome(Cause.STOCKOUT, None, None), "stockout", [RETRY]),
+    (outcome(Cause.INTERNAL, None, None), "internal-error", [(Action.RETRY_JOB, "internal_retries")]),
+    (outcome(Cause.INTERNAL, 70), "internal-error", [(Action.RETRY_JOB, "internal_retries")]),
+    (outcome(Cause.MAINTENANCE, 143), "maintenance", [(Action.RESTART_WORKER, None)]),
+    (outcome(Cause.PREEMPTION, 143), "infrastructure-fault",
      [(Action.RESTART_WORKER, "worker_restarts"), RETRY]),
-    (outcome(Cause.NODE_LOSS, 137), "7-infrastructure-fault",
+    (outcome(Cause.NODE_LOSS, 137), "infrastructure-fault",
      [(Action.RESTART_WORKER, "worker_restarts"), RETRY]),
     # An infrastructure fault is never a success, even when the worker exited 0 on SIGTERM.
-    (outcome(Cause.NODE_LOSS, 0, PRIMARY), "7-infrastructure-fault",
+    (outcome(Cause.NODE_LOSS, 0, PRIMARY), "infrastructure-fault",
      [(Action.RESTART_WORKER, "worker_restarts"), RETRY]),
-    (outcome(Cause.EXIT, 1), "8-user-code-error", [(Action.FAIL_JOB, None)]),
-    (outcome(Cause.EXIT, 42, PRIMARY), "8-user-code-error", [(Action.FAIL_JOB, None)]),
-    (outcome(Cause.EXIT, 143), "8-user-code-error", [(Action.FAIL_JOB, None)]),
+    (outcome(Cause.EXIT, 1), "user-code-error", [(Action.FAIL_JOB, None)]),
+    (outcome(Cause.EXIT, 42, PRIMARY), "user-code-error", [(Action.FAIL_JOB, None)]),
+    (outcome(Cause.EXIT, 143), "user-code-error", [(Action.FAIL_JOB, None)]),
     # A command that cannot start is exit 128; not transient even with a transient-looking code.
-    (outcome(Cause.START_ERROR, 128), "8-user-code-error", [(Action.FAIL_JOB, None)]),
-    (outcome(Cause.START_ERROR, 134), "8-user-code-error", [(Action.FAIL_JOB, None)]),
+    (outcome(Cause.START_ERROR, 128), "user-code-error", [(Action.FAIL_JOB, None)]),
+    (outcome(Cause.START_ERROR, 134), "user-code-error", [(Action.FAIL_JOB, None)]),
 ]
 
 
@@ -89,17 +89,17 @@ def test_default_budgets() -> None:
 def test_spot_preemption_retries_the_job_but_node_loss_restarts_the_worker() -> None:
     spot = default_policy(Strategy.SPOT)
     assert decide(spot, outcome(Cause.PREEMPTION, 143)) == (
-        "7-spot-preemption", [(Action.RETRY_JOB, "spot_retries")])
-    assert decide(spot, outcome(Cause.NODE_LOSS, 137))[0] == "7-infrastructure-fault"
-    assert decide(spot, outcome(Cause.MAINTENANCE, 143))[0] == "7-maintenance"
+        "spot-preemption", [(Action.RETRY_JOB, "spot_retries")])
+    assert decide(spot, outcome(Cause.NODE_LOSS, 137))[0] == "infrastructure-fault"
+    assert decide(spot, outcome(Cause.MAINTENANCE, 143))[0] == "maintenance"
 
 
 def test_flex_start_stockout_waits_for_capacity() -> None:
     flex = default_policy(Strategy.FLEX_START)
     assert decide(flex, outcome(Cause.STOCKOUT, None, None)) == (
-        "5-stockout", [(Action.WAIT_FOR_CAPACITY, None)])
+        "stockout", [(Action.WAIT_FOR_CAPACITY, None)])
     # Everything else is the standard table.
-    assert decide(flex, outcome(Cause.EXIT, 134)) == ("4-transient-exit-code", [RETRY])
+    assert decide(flex, outcome(Cause.EXIT, 134)) == ("transient-exit-code", [RETRY])
 
 
 @pytest.mark.parametrize("strategy", list(Strategy))

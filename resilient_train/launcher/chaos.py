@@ -1,8 +1,8 @@
 """Fault injection: parse ``--chaos`` specs and turn them into a deterministic schedule.
 
 Pure data and arithmetic; the launcher owns processes and signals. Fault times are seconds
-after the job first reaches ``JOB_STATE_RUNNING`` (PLATFORM.md section 1), so a schedule is
-reproducible regardless of how long the job spent queued.
+after the job first reaches ``JOB_STATE_RUNNING`` (docs/platform.md, "Job lifecycle"), so a
+schedule is reproducible regardless of how long the job spent queued.
 
 Grammar (comma-separated items)::
 
@@ -18,7 +18,7 @@ Grammar (comma-separated items)::
 ``hang`` stops the replica's whole process tree (SIGSTOP): alive and stuck, as in a hung
 collective or a wedged GPU. ``slow`` makes it a straggler: SIGSTOP / SIGCONT in
 ``SLOW_PERIOD_S`` periods, running SPEED of each. The launcher owns those signals
-(runner.py); this module only says when and for how long.
+(faults.py); this module only says when and for how long.
 
 Step-triggered faults read the primary's training progress (``@rt.main`` reports it to the
 launcher), so they land at the same point of training however fast the machine is: the way
@@ -43,6 +43,8 @@ from dataclasses import dataclass, field, replace
 from enum import Enum
 from pathlib import Path
 from typing import Any
+
+from .policy import Cause
 
 logger = logging.getLogger(__name__)
 
@@ -111,11 +113,25 @@ class FaultKind(str, Enum):
         """True when the replica stays alive, stopped or slowed (a duration applies)."""
         return self in (FaultKind.HANG, FaultKind.SLOW)
 
+    @property
+    def cause(self) -> Cause | None:
+        """What the restart policy sees when this fault ends a replica (or the attempt);
+        None for a hang or slow-down, which end nothing themselves."""
+        return _CAUSES.get(self)
+
 
 _REPLICA_KINDS = frozenset(
     {FaultKind.KILL, FaultKind.MAINTENANCE, FaultKind.PREEMPT, FaultKind.OOM,
      FaultKind.HANG, FaultKind.SLOW}
 )
+_CAUSES = {
+    FaultKind.KILL: Cause.NODE_LOSS,   # SIGKILL from outside: the node is gone
+    FaultKind.MAINTENANCE: Cause.MAINTENANCE,
+    FaultKind.PREEMPT: Cause.PREEMPTION,
+    FaultKind.OOM: Cause.OOM,
+    FaultKind.STOCKOUT: Cause.STOCKOUT,
+    FaultKind.INTERNAL: Cause.INTERNAL,
+}
 _VALID_KINDS = ", ".join(k.value for k in FaultKind)
 
 

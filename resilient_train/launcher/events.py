@@ -4,7 +4,8 @@ The job state machine and the process layer record every state change, exit, dec
 fault and machine change as one :class:`Event`. ``job.json`` holds them in their JSON form
 (:meth:`Event.to_json`, read back with :meth:`Event.from_json`); ``status``, ``report``,
 goodput and the observed MTBF read their fields, never their ``message``, which is the
-line a person reads (rendered once, when the event is made).
+line a person reads (rendered once, when the event is made, from the same fields:
+:func:`decision_summary` renders a decision's).
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from dataclasses import dataclass, fields
 from enum import Enum
 from typing import Any
 
-__all__ = ["Event", "EventKind", "iso"]
+__all__ = ["EVENT_FIELDS", "Event", "EventKind", "decision_summary", "iso"]
 
 
 class EventKind(str, Enum):
@@ -28,9 +29,12 @@ class EventKind(str, Enum):
     DECISION = "decision"      # the policy's answer to an exit (``rule``, ``action``, budget)
     RESTARTING = "restarting"  # a replica is about to start again
     STOPPING = "stopping"      # the job stops replicas (a retry, the end)
-    ERROR = "error"            # the job's error, as the platform words it
+    ERROR = "error"            # the job's error, as the platform words it (``code``)
     FAULT = "fault"            # a fault, injected or observed (``fault``, ``cause``)
-    FAULT_OVER = "fault_over"  # a hang or slow-down ended (``fault``, ``duration_s``)
+    # A hang or slow-down ended (``fault``, ``replica``, ``duration_s``); ``detail`` says
+    # what cut it short (a SIGTERM to deliver, a stall that replaces it), None when it ran
+    # its course and the replica went on by itself.
+    FAULT_OVER = "fault_over"
     SIGNAL = "signal"          # a signal the launcher sent of its own (grace over)
     MACHINE = "machine"        # a replica's machine: files wiped or kept, a file written
     WARNING = "warning"        # something the user should know; changes nothing
@@ -42,6 +46,16 @@ def iso(t: float | None) -> str | None:
         return None
     return _dt.datetime.fromtimestamp(t, _dt.timezone.utc).isoformat(timespec="milliseconds") \
         .replace("+00:00", "Z")
+
+
+def decision_summary(action: str | None, rule: str | None, budget: str | None = None,
+                     used: int | None = None, limit: int | None = None) -> str:
+    """A decision for a person: ``restart_worker (infrastructure-fault), worker_restarts
+    1/5`` (the budget part only when the step spent one)."""
+    text = f"{action or '?'} ({rule or 'no rule'})"
+    if budget is not None:
+        text += f", {budget} {used}/{limit}"
+    return text
 
 
 @dataclass(frozen=True)
@@ -62,8 +76,8 @@ class Event:
     injected: bool | None = None  # FAULT: chaos made it (True) or the launcher observed it
     rule: str | None = None       # DECISION: the rule that matched
     action: str | None = None     # DECISION: the action taken
-    budget: str | None = None     # DECISION: the budget spent, with how much of it is used
-    budget_used: int | None = None
+    budget: str | None = None     # DECISION: the name of the budget the action spent
+    budget_used: int | None = None   # DECISION: that budget's use, this action included
     budget_limit: int | None = None
     counts_as_failure: bool = False  # counts toward the job's observed MTBF
     duration_s: float | None = None  # FAULT_OVER: how long the hang or slow-down lasted
@@ -84,10 +98,16 @@ class Event:
 
     @classmethod
     def from_json(cls, data: Mapping[str, Any]) -> Event:
-        """Read an event back from a job record (unknown keys are ignored)."""
-        names = {f.name for f in fields(cls)} - {"kind", "time"}
+        """Read an event back from a job record (unknown keys are ignored; a record from
+        before typed events reads back with its new fields None)."""
         when = data.get("time")
         t = (_dt.datetime.fromisoformat(str(when).replace("Z", "+00:00")).timestamp()
              if when else 0.0)
         return cls(kind=EventKind(str(data["kind"])), time=t,
-                   **{k: data[k] for k in names if k in data})
+                   elapsed_s=float(data["elapsed_s"]), message=str(data.get("message", "")),
+                   **{k: data[k] for k in _OPTIONAL if data.get(k) is not None})
+
+
+# Every field's name; those a caller may set on a note (the machine sets the rest).
+EVENT_FIELDS = frozenset(f.name for f in fields(Event))
+_OPTIONAL = EVENT_FIELDS - {"kind", "time", "elapsed_s", "message"}

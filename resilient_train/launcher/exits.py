@@ -1,6 +1,6 @@
 """From a process's end to its cause: the one place where an exit is classified.
 
-The process layer (``runner.py``) records what it saw and what it did itself as one
+The process layer (``processes.Worker.exit``) records what it saw and did itself as one
 :class:`ProcessExit`; :func:`classify_exit`, a pure function, turns it into a
 :class:`Verdict` (the cause the restart policy matches on). The policy turns the cause into
 an action (``policy.py``), and one table turns a cause into the job's error
@@ -72,11 +72,13 @@ class ProcessExit:
 @dataclass(frozen=True)
 class Verdict:
     """The classification of one exit: the cause the policy matches, the status it goes
-    by, and, for a fault the launcher observed rather than caused, a line saying so."""
+    by, and, for a fault the launcher observed rather than caused, a line saying so and the
+    fault's kind (the FAULT event's ``fault``: "kill" or "oom")."""
 
     cause: Cause
     exit_code: int
     observed: str | None = None   # "killed by SIGKILL from outside the launcher: a node loss"
+    fault: str | None = None
 
 
 def classify_exit(e: ProcessExit) -> Verdict:
@@ -95,10 +97,11 @@ def classify_exit(e: ProcessExit) -> Verdict:
         name = signal.Signals(died_of).name
         if died_of == signal.SIGKILL and e.kernel_oom_kills_rose:
             return Verdict(Cause.OOM, code, "killed by the kernel's out-of-memory killer "
-                                            "(SIGKILL; the machine ran out of memory)")
+                                            "(SIGKILL; the machine ran out of memory)", "oom")
         return Verdict(Cause.NODE_LOSS, code,
-                       f"killed by {name} from outside the launcher: a node loss")
+                       f"killed by {name} from outside the launcher: a node loss", "kill")
     if code == _SIGKILL_STATUS and e.kernel_oom_kills_rose and not e.signalled:
         return Verdict(Cause.OOM, code, "exited with status 137 while the kernel's "
-                                        "out-of-memory killer killed a process: out of memory")
+                                        "out-of-memory killer killed a process: out of memory",
+                       "oom")
     return Verdict(Cause.EXIT, code)

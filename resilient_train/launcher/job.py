@@ -1,34 +1,35 @@
 """The job state machine: pure, driven by events, with an injected clock.
 
-The process layer (``runner``) turns OS facts into calls here (a worker started, a
+The process layer (``runner`` and its parts) turns OS facts into calls here (a worker started, a
 worker exited with a code and a cause, a fault, a tick of the clock) and executes the
 commands that come back (start a worker, stop workers, ask for capacity). Nothing here
-touches a process, a file or the real time, so every rule and budget edge of
-PLATFORM.md sections 1-4 is testable with a fake clock and fake workers.
+touches a process, a file or the real time, so every rule and budget edge of the
+platform's lifecycle and restart rules (docs/platform.md) is testable with a fake clock and
+fake workers. Everything that happens is recorded as a typed :class:`~.events.Event`.
 """
 
 from __future__ import annotations
 
-import datetime as _dt
 import logging
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Union
 
+from .events import EVENT_FIELDS, Event, EventKind, decision_summary, iso
 from .machines import new_vm_after
 from .messages import (
     JobError,
     JobState,
     PeerLoss,
     cancelled_error,
-    infrastructure_error,
+    error_for,
     internal_error,
-    oom_error,
-    stockout_error,
     timeout_error,
-    user_code_error,
 )
 from .policy import JOB_SCOPE, Action, Cause, Outcome, Policy, Step, Strategy, default_policy
+
+__all__ = ["PRIMARY", "Command", "JobConfig", "JobMachine", "ReleaseCapacity",
+           "RequestCapacity", "StartWorker", "StopWorkers", "iso"]
 
 log = logging.getLogger(__name__)
 
@@ -42,6 +43,8 @@ PRIMARY = "workerpool0-0"
 PEER_LOSS_WINDOW_S = 30.0
 # A peer that ended so is lost to the others' collectives (and any non-zero exit: a crash).
 _LOSS_CAUSES = frozenset({"node_loss", "preemption", "maintenance", "oom"})
+# Set by the machine on every event; a note names the others.
+_MACHINE_FIELDS = frozenset({"kind", "time", "elapsed_s", "message", "attempt"})
 
 
 @dataclass(frozen=True)
@@ -133,12 +136,6 @@ class AttemptRecord:
                 "replicas": {name: r.to_json() for name, r in self.replicas.items()}}
 
 
-def iso(t: float | None) -> str | None:
-    if t is None:
-        return None
-    return _dt.datetime.fromtimestamp(t, _dt.timezone.utc).isoformat(timespec="milliseconds").replace("+00:00", "Z")
-
-
 @dataclass(frozen=True)
 class _AfterStop:
     """What to do once every live worker has stopped."""
@@ -164,7 +161,7 @@ class JobMachine:
         self.error: JobError | None = None
         self.attempts: list[AttemptRecord] = []
         self.budget_used: Counter[str] = Counter()
-        self.events: list[dict[str, Any]] = []
+        self.events: list[Event] = []
         self._restarts_in_job: Counter[str] = Counter()
         self._after_stop: _AfterStop | None = None
         self._waiting_since: float | None = None   # FLEX_START wait for capacity
@@ -172,7 +169,8 @@ class JobMachine:
         self._policy = config.rules
         # The exit being decided: (replica, time, its log's failed-connection line).
         self._exit_seen: tuple[str, float, str | None] | None = None
-        self._event(now, "state", f"job {config.name}: {self.state.value}", state=self.state.value)
+        self._event(now, EventKind.STATE, f"job {config.name}: {self.state.value}",
+                    state=self.state.value)
 
     # --- queries ----------------------------------------------------------------------
 
@@ -224,6 +222,11 @@ class JobMachine:
             out[name] = {"limit": b.limit, "scope": b.scope, "used": used}
         return out
 
+    def failures(self) -> int:
+        """Failures so far in this job, for its observed MTBF: the events that count as one
+        (faults as their notes say; non-zero exits of user code)."""
+        return sum(e.counts_as_failure for e in self.events)
+
     # --- events -----------------------------------------------------------------------
 
     def start(self, now: float) -> list[Command]:
@@ -243,8 +246,8 @@ class JobMachine:
         """The job asks for more than the machine has: a stockout before any worker starts."""
         if self.state is not JobState.QUEUED or self._stockout_waiting:
             return []
-        self._event(now, "stockout", f"job {self.config.name}: stockout: the request exceeds "
-                    f"what this machine has")
+        self._event(now, EventKind.STOCKOUT, f"job {self.config.name}: stockout: the request "
+                    f"exceeds what this machine has", cause=Cause.STOCKOUT.value)
         return self._decide(Outcome(None, False, Cause.STOCKOUT, None), now)
 
     def worker_started(self, replica: str, now: float) -> list[Command]:
@@ -252,7 +255,7 @@ class JobMachine:
         if att is None or att.replicas[replica].status != STARTING:
             return []
         att.replicas[replica].status = RUNNING
-        self._event(now, "started", f"{replica}: started", replica=replica)
+        self._event(now, EventKind.STARTED, f"{replica}: started", replica=replica)
         if self.state is JobState.PENDING and all(
                 r.status != STARTING for r in att.replicas.values()):
             if self.start_time is None:
@@ -261,10 +264,11 @@ class JobMachine:
         return []
 
     def worker_exited(self, replica: str, exit_code: int, cause: Cause, now: float,
-                      excerpt: str | None = None,
-                      connection_error: str | None = None) -> list[Command]:
+                      excerpt: str | None = None, connection_error: str | None = None,
+                      step: int | None = None) -> list[Command]:
         """``excerpt``: the traceback for the job's error; ``connection_error``: the line of
-        the replica's log that says a peer's connection failed, if one does."""
+        the replica's log that says a peer's connection failed, if one does; ``step``: the
+        last step it reported."""
         att = self.attempt
         if att is None or att.replicas[replica].status not in _LIVE:
             return []
@@ -273,13 +277,15 @@ class JobMachine:
         rec.exit_codes.append(exit_code)
         if rec.status == STOPPING:
             rec.status = STOPPED
-            self._event(now, "stopped", f"{replica}: stopped (exit {exit_code})", replica=replica,
-                        exit_code=exit_code)
+            self._event(now, EventKind.STOPPED, f"{replica}: stopped (exit {exit_code})",
+                        replica=replica, exit_code=exit_code, step=step)
             return self._maybe_finish_stop(now)
         rec.status = EXITED
         detail = "" if cause is Cause.EXIT else f" ({cause.value})"
-        self._event(now, "exited", f"{replica}: exited with status {exit_code}{detail}",
-                    replica=replica, exit_code=exit_code, cause=cause.value)
+        # The MTBF's failures: faults (their notes count) and the user code's own crashes.
+        self._event(now, EventKind.EXITED, f"{replica}: exited with status {exit_code}{detail}",
+                    replica=replica, exit_code=exit_code, cause=cause.value, step=step,
+                    counts_as_failure=cause is Cause.EXIT and exit_code != 0)
         outcome = Outcome(replica, replica == self.config.replicas[0], cause, exit_code)
         return self._decide(outcome, now, excerpt)
 
@@ -313,21 +319,36 @@ class JobMachine:
         if (timeout and self.start_time is not None
                 and now >= self.start_time + timeout
                 and not (self._after_stop and self._after_stop.kind == "terminal")):
-            self._event(now, "timeout", f"job {self.config.name}: timeout of {timeout:g} s reached")
+            self._event(now, EventKind.TIMEOUT,
+                        f"job {self.config.name}: timeout of {timeout:g} s reached")
             return self._stop_all(_AfterStop("terminal", JobState.FAILED, timeout_error(timeout),
                                              "timeout"), now)
-        # max_wait_duration 0 means forever, as on the platform (PLATFORM.md section 3).
+        # max_wait_duration 0 means forever, as on the platform (docs/platform.md,
+        # "Scheduling strategies").
         if (self._waiting_since is not None and self.config.max_wait
                 and now >= self._waiting_since + self.config.max_wait):
             self._waiting_since = None
-            self.error = stockout_error(self.config.region)
+            self.error = error_for(Cause.STOCKOUT, self.config.replicas[0],
+                                   region=self.config.region)
             return self._finish(JobState.FAILED, now)
         return []
 
-    def note(self, now: float, message: str, kind: str = "fault", **extra: Any) -> None:
-        """An event from the process layer (an injected fault, a memory reading); ``extra``
-        goes into the event (a fault's ``replica`` and ``cause``)."""
-        self._event(now, kind, message, **extra)
+    def note(self, now: float, kind: EventKind, message: str, /, **fields: Any) -> None:
+        """An event from the process layer: a fault, a stall's end, a signal, a machine
+        change, a warning. ``fields`` are :class:`Event` fields (``replica``, ``fault``,
+        ``cause``, ``injected``, ``step``, ``counts_as_failure``, ``duration_s``...)::
+
+            machine.note(now, EventKind.FAULT, "chaos: kill on workerpool1-0 at step 20",
+                         replica="workerpool1-0", fault="kill", cause="node_loss",
+                         injected=True, step=20, counts_as_failure=True)
+        """
+        if not isinstance(kind, EventKind):
+            raise TypeError(f"note: expected an EventKind, found {kind!r}")
+        bad = set(fields) - (EVENT_FIELDS - _MACHINE_FIELDS)
+        if bad:
+            raise TypeError(f"note: unknown event fields {sorted(bad)}; an Event has "
+                            f"{sorted(EVENT_FIELDS - _MACHINE_FIELDS)}")
+        self._event(now, kind, message, **fields)
 
     def launcher_failed(self, now: float) -> None:
         """The launcher itself crashed: the job ends FAILED with the internal error."""
@@ -348,10 +369,15 @@ class JobMachine:
         rule_name = rule.name if rule else "no rule matched"
         who = outcome.replica or f"job {self.config.name}"
         action = step.action if step else Action.FAIL_JOB
-        self._event(now, "decision", f"{who}: {action.value} ({rule_name}){self._budget_note(step, outcome)}",
-                    replica=outcome.replica, rule=rule_name, action=action.value)
+        budget, used, limit = self._budget_spent(step, outcome)
+        self._event(now, EventKind.DECISION,
+                    f"{who}: {decision_summary(action.value, rule_name, budget, used, limit)}",
+                    replica=outcome.replica, rule=rule_name, action=action.value,
+                    cause=outcome.cause.value, budget=budget, budget_used=used,
+                    budget_limit=limit)
         if action is Action.SUCCEED_JOB:
-            return self._stop_all(_AfterStop("terminal", JobState.SUCCEEDED, None, "succeeded"), now)
+            return self._stop_all(_AfterStop("terminal", JobState.SUCCEEDED, None, "succeeded"),
+                                  now)
         if action is Action.WORKER_DONE:
             assert outcome.replica is not None
             self.attempts[-1].replicas[outcome.replica].status = DONE
@@ -363,7 +389,8 @@ class JobMachine:
         if action is Action.WAIT_FOR_CAPACITY:
             return self._stop_all(_AfterStop("requeue", reason=f"requeue: {rule_name}"), now)
         return self._stop_all(_AfterStop("terminal", JobState.FAILED,
-                                         self._error_for(outcome, excerpt), f"failed: {rule_name}"), now)
+                                         self._error_for(outcome, excerpt),
+                                         f"failed: {rule_name}"), now)
 
     def _take_step(self, steps: tuple[Step, ...], outcome: Outcome) -> Step | None:
         """The first step whose budget lasts; spend it."""
@@ -391,36 +418,25 @@ class JobMachine:
             return step
         return None
 
-    def _budget_note(self, step: Step | None, outcome: Outcome) -> str:
+    def _budget_spent(self, step: Step | None,
+                      outcome: Outcome) -> tuple[str | None, int | None, int | None]:
+        """The budget the step spent: (name, used, limit), all None when it spent none."""
         if step is None or step.budget is None:
-            return ""
+            return None, None, None
         budget = self._policy.budgets[step.budget]
         if budget.scope == JOB_SCOPE:
             used = self.budget_used[step.budget]
         else:
             assert outcome.replica is not None
             used = self.attempts[-1].replicas[outcome.replica].budget_used[step.budget]
-        return f", {step.budget} {used}/{budget.limit}"
+        return step.budget, used, budget.limit
 
     def _error_for(self, outcome: Outcome, excerpt: str | None) -> JobError:
-        code = outcome.exit_code if outcome.exit_code is not None else 1
         replica = outcome.replica or self.config.replicas[0]
-        if outcome.cause is Cause.OOM:
-            return oom_error(replica, code, excerpt)
-        if outcome.cause is Cause.STOCKOUT or (
-                outcome.cause is Cause.PREEMPTION and self.config.strategy is Strategy.SPOT):
-            # A Spot preemption surfaces as a stockout (PLATFORM.md section 2).
-            return stockout_error(self.config.region)
-        if outcome.cause is Cause.INTERNAL:
-            return internal_error()
-        if outcome.cause in (Cause.PREEMPTION, Cause.NODE_LOSS, Cause.MAINTENANCE):
-            # Not the user's code: the infrastructure's budgets ran out.
-            return infrastructure_error(replica, code, {
-                Cause.PREEMPTION: "Preempted", Cause.NODE_LOSS: "NodeLost",
-                Cause.MAINTENANCE: "Maintenance"}[outcome.cause])
-        reason = "StartError" if outcome.cause is Cause.START_ERROR else "Error"
-        peer_loss = self._peer_loss(replica) if outcome.cause is Cause.EXIT and code else None
-        return user_code_error(replica, code, reason, excerpt, peer_loss)
+        peer_loss = (self._peer_loss(replica)
+                     if outcome.cause is Cause.EXIT and outcome.exit_code else None)
+        return error_for(outcome.cause, replica, outcome.exit_code, excerpt, peer_loss,
+                         self.config.strategy, self.config.region)
 
     def _peer_loss(self, replica: str) -> PeerLoss | None:
         """Another replica of this attempt lost shortly before this exit, when this
@@ -432,18 +448,18 @@ class JobMachine:
         if connection_error is None:
             return None
         for e in reversed(self.events):
-            if e.get("attempt") != att.number:
+            if e.attempt != att.number:
                 break
-            ago = now - (self.create_time + e["elapsed_s"])
+            ago = now - (self.create_time + e.elapsed_s)
             if ago > PEER_LOSS_WINDOW_S:
                 break
-            peer = e.get("replica")
+            peer = e.replica
             if peer is None or peer == replica:
                 continue
-            cause = e.get("cause")
-            if e["kind"] == "exited" and (cause in _LOSS_CAUSES or e.get("exit_code")):
-                what = cause if cause in _LOSS_CAUSES else f"exit {e.get('exit_code')}"
-            elif e["kind"] == "fault" and cause in _LOSS_CAUSES:
+            cause = e.cause
+            if e.kind is EventKind.EXITED and (cause in _LOSS_CAUSES or e.exit_code):
+                what = cause if cause in _LOSS_CAUSES else f"exit {e.exit_code}"
+            elif e.kind is EventKind.FAULT and cause in _LOSS_CAUSES:
                 what = cause   # the fault's SIGTERM or SIGKILL: its exit may come later
             else:
                 continue
@@ -463,13 +479,15 @@ class JobMachine:
         att.replicas[replica].status = STARTING
         if not first:
             self._restarts_in_job[replica] += 1
-            self._event(now, "restarting", f"{replica}: restarting "
-                        f"(restart {self._restarts_in_job[replica]} in this job)", replica=replica)
+            self._event(now, EventKind.RESTARTING, f"{replica}: restarting "
+                        f"(restart {self._restarts_in_job[replica]} in this job)",
+                        replica=replica)
         return StartWorker(replica, att.number, self._restarts_in_job[replica], new_vm)
 
     def _new_attempt(self, now: float) -> list[Command]:
         number = len(self.attempts) + 1
-        self.attempts.append(AttemptRecord(number, now, {r: ReplicaRecord() for r in self.config.replicas}))
+        self.attempts.append(AttemptRecord(number, now,
+                                           {r: ReplicaRecord() for r in self.config.replicas}))
         self._set_state(JobState.PENDING, now)
         return [self._start(r, now, first=number == 1) for r in self.config.replicas]
 
@@ -492,7 +510,8 @@ class JobMachine:
                     to_stop.append(name)
         cmds: list[Command] = []
         if to_stop:
-            self._event(now, "stopping", f"stopping {', '.join(to_stop)} ({after.reason})")
+            self._event(now, EventKind.STOPPING, f"stopping {', '.join(to_stop)} "
+                        f"({after.reason})", detail=after.reason)
             cmds.append(StopWorkers(tuple(to_stop), after.reason))
         return cmds + self._maybe_finish_stop(now)
 
@@ -536,8 +555,9 @@ class JobMachine:
         self._waiting_since = None
         self._set_state(state, now)
         if self.error is not None:
-            self._event(now, "error", f"job {self.config.name}: error {self.error.code}: "
-                        f"{self.error.message.splitlines()[0]}")
+            self._event(now, EventKind.ERROR, f"job {self.config.name}: error "
+                        f"{self.error.code}: {self.error.message.splitlines()[0]}",
+                        code=self.error.code)
         return [ReleaseCapacity()]
 
     # --- bookkeeping ------------------------------------------------------------------
@@ -546,16 +566,18 @@ class JobMachine:
         if state is self.state:
             return
         self.state = state
-        self._event(now, "state", f"job {self.config.name}: {state.value}", state=state.value)
+        self._event(now, EventKind.STATE, f"job {self.config.name}: {state.value}",
+                    state=state.value)
 
-    def _event(self, now: float, kind: str, message: str, **extra: Any) -> None:
+    def _event(self, now: float, kind: EventKind, message: str, **fields: Any) -> Event:
+        """Record one event of this job (``fields``: Event fields; an unknown one is a
+        TypeError), stamped with its time and attempt."""
         self.update_time = now
         att = self.attempts[-1].number if self.attempts else None
-        event = {"time": iso(now), "elapsed_s": round(now - self.create_time, 3), "kind": kind,
-                 "attempt": att, "message": message}
-        event.update({k: v for k, v in extra.items() if v is not None})
+        event = Event(kind, now, round(now - self.create_time, 3), message, att, **fields)
         self.events.append(event)
         log.debug("%s", message)
+        return event
 
     def to_record(self) -> dict[str, Any]:
         """The job record, shaped like the platform's CustomJob."""
@@ -577,5 +599,5 @@ class JobMachine:
             },
             "budgets": self.budget_summary(),
             "attempts": [a.to_json() for a in self.attempts],
-            "events": list(self.events),
+            "events": [e.to_json() for e in self.events],
         }

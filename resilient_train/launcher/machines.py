@@ -2,7 +2,8 @@
 
 On the platform every replica is a container on a VM of its own. What it writes to its own
 filesystem no other replica sees, and a restart replaces the container (a fresh copy of
-the image). Our reading of what each fault keeps (docs: "What a replica's files survive"):
+the image). Our reading of what each fault keeps (docs/platform.md, "What a replica's
+files survive"):
 
 | the replica's new life | its container's files: TMPDIR, working directory | its VM's local disk: RESILIENT_TRAIN_NODE_LOCAL_DIR |
 |---|---|---|

@@ -4,7 +4,8 @@ The shape is Kubernetes' podFailurePolicy: rules are evaluated in order and the 
 match wins. A rule lists actions to try in order; an action with a budget is taken only
 while its budget lasts, then the next one is tried (restart the worker 5 times, then
 retry the job 3 times, then fail). Running out of every action fails the job.
-The default table is PLATFORM.md section 4.
+Each default rule is named by what it matches (``transient-exit-code``); the table is the
+platform's (docs/platform.md, "Restart rules").
 """
 
 from __future__ import annotations
@@ -24,7 +25,8 @@ class Cause(str, Enum):
 
     EXIT = "exit"                # the worker's own exit: a code, or death by a signal it raised
     START_ERROR = "start_error"  # the command could not be started (not found, not executable)
-    OOM = "oom"                  # the launcher's memory limit was hit (or injected)
+    OOM = "oom"                  # out of memory: the launcher's limit, the kernel's OOM
+                                 # killer, torch's own report (or injected)
     STOCKOUT = "stockout"        # not enough accelerators (or injected)
     INTERNAL = "internal"        # the launcher itself failed (or injected)
     MAINTENANCE = "maintenance"  # VM maintenance: restarted on another VM, never counted
@@ -61,7 +63,8 @@ class Budget:
 
     def __post_init__(self) -> None:
         if self.scope not in (WORKER_SCOPE, JOB_SCOPE):
-            raise PolicyError(f"budget {self.name!r}: scope must be 'worker' or 'job', got {self.scope!r}")
+            raise PolicyError(f"budget {self.name!r}: scope must be 'worker' or 'job', "
+                              f"got {self.scope!r}")
         if self.limit < 0:
             raise PolicyError(f"budget {self.name!r}: limit must be >= 0, got {self.limit}")
 
@@ -147,7 +150,7 @@ DEFAULT_BUDGETS: Mapping[str, Budget] = {
 def default_policy(
     strategy: Strategy = Strategy.STANDARD, *, disable_retries: bool = False
 ) -> Policy:
-    """PLATFORM.md section 4, first match wins."""
+    """The platform's restart rules (docs/platform.md, "Restart rules"), first match wins."""
     retry = Step(Action.RETRY_JOB, "job_retries")
     stockout = (
         (Step(Action.WAIT_FOR_CAPACITY),) if strategy is Strategy.FLEX_START else (retry,)
@@ -155,29 +158,29 @@ def default_policy(
     infra: tuple[Rule, ...]
     if strategy is Strategy.SPOT:
         infra = (
-            Rule("7-spot-preemption", Match(causes=frozenset({Cause.PREEMPTION})),
+            Rule("spot-preemption", Match(causes=frozenset({Cause.PREEMPTION})),
                  (Step(Action.RETRY_JOB, "spot_retries"),)),
         )
     else:
         infra = ()
     rules = (
-        Rule("1-primary-succeeded", Match(frozenset({Cause.EXIT}), frozenset({0}), True),
+        Rule("primary-succeeded", Match(frozenset({Cause.EXIT}), frozenset({0}), True),
              (Step(Action.SUCCEED_JOB),)),
-        Rule("2-worker-finished", Match(frozenset({Cause.EXIT}), frozenset({0}), False),
+        Rule("worker-finished", Match(frozenset({Cause.EXIT}), frozenset({0}), False),
              (Step(Action.WORKER_DONE),)),
-        Rule("3-out-of-memory", Match(causes=frozenset({Cause.OOM})), (Step(Action.FAIL_JOB),)),
-        Rule("4-transient-exit-code",
+        Rule("out-of-memory", Match(causes=frozenset({Cause.OOM})), (Step(Action.FAIL_JOB),)),
+        Rule("transient-exit-code",
              Match(causes=frozenset({Cause.EXIT}), exit_codes=PLATFORM_TRANSIENT_EXIT_CODES),
              (retry,)),
-        Rule("5-stockout", Match(causes=frozenset({Cause.STOCKOUT})), stockout),
-        Rule("6-internal-error", Match(causes=frozenset({Cause.INTERNAL})),
+        Rule("stockout", Match(causes=frozenset({Cause.STOCKOUT})), stockout),
+        Rule("internal-error", Match(causes=frozenset({Cause.INTERNAL})),
              (Step(Action.RETRY_JOB, "internal_retries"),)),
         *infra,
-        Rule("7-maintenance", Match(causes=frozenset({Cause.MAINTENANCE})),
+        Rule("maintenance", Match(causes=frozenset({Cause.MAINTENANCE})),
              (Step(Action.RESTART_WORKER),)),
-        Rule("7-infrastructure-fault", Match(causes=_INFRA),
+        Rule("infrastructure-fault", Match(causes=_INFRA),
              (Step(Action.RESTART_WORKER, "worker_restarts"), retry)),
-        Rule("8-user-code-error", Match(causes=_USER_EXIT), (Step(Action.FAIL_JOB),)),
+        Rule("user-code-error", Match(causes=_USER_EXIT), (Step(Action.FAIL_JOB),)),
     )
     policy = Policy(rules, dict(DEFAULT_BUDGETS))
     return without_retries(policy) if disable_retries else policy
@@ -194,7 +197,8 @@ def with_platform_defaults(policy: Policy, strategy: Strategy = Strategy.STANDAR
 
 def without_retries(policy: Policy) -> Policy:
     """``disable_retries``: the job is never retried; worker restarts still happen."""
-    retry_budgets = {s.budget for r in policy.rules for s in r.steps if s.action is Action.RETRY_JOB}
+    retry_budgets = {s.budget for r in policy.rules for s in r.steps
+                     if s.action is Action.RETRY_JOB}
     budgets = {name: Budget(name, 0, b.scope) if name in retry_budgets else b
                for name, b in policy.budgets.items()}
     # An unbudgeted retry step has nothing to set to zero: drop it.
@@ -213,7 +217,7 @@ _MATCH_KEYS = {"causes", "exit_codes", "primary"}
 
 
 def policy_from_dict(data: Mapping[str, Any], *, source: str = "policy") -> Policy:
-    """Build a Policy from the JSON form (see README, "Restart policy")::
+    """Build a Policy from the JSON form (docs/launcher.md, "Restart policy files")::
 
         {"budgets": {"worker_restarts": {"limit": 2, "scope": "worker"}, "job_retries": 1},
          "rules": [{"name": "oom", "match": {"causes": ["oom"]}, "actions": ["fail_job"]},
@@ -223,10 +227,12 @@ def policy_from_dict(data: Mapping[str, Any], *, source: str = "policy") -> Poli
     Budgets not given keep the platform's defaults.
     """
     if not isinstance(data, Mapping):
-        raise PolicyError(f"{source}: expected a JSON object with 'rules', found {type(data).__name__}")
+        raise PolicyError(f"{source}: expected a JSON object with 'rules', "
+                          f"found {type(data).__name__}")
     unknown = set(data) - {"budgets", "rules"}
     if unknown:
-        raise PolicyError(f"{source}: unknown top-level keys {sorted(unknown)}; allowed: budgets, rules")
+        raise PolicyError(f"{source}: unknown top-level keys {sorted(unknown)}; "
+                          "allowed: budgets, rules")
     budgets = dict(DEFAULT_BUDGETS)
     raw_budgets = data.get("budgets") or {}
     if not isinstance(raw_budgets, Mapping):
@@ -235,7 +241,8 @@ def policy_from_dict(data: Mapping[str, Any], *, source: str = "policy") -> Poli
     for name, spec in raw_budgets.items():
         try:
             if _is_int(spec):
-                budgets[name] = Budget(name, spec, budgets[name].scope if name in budgets else JOB_SCOPE)
+                scope = budgets[name].scope if name in budgets else JOB_SCOPE
+                budgets[name] = Budget(name, spec, scope)
             elif (isinstance(spec, Mapping) and _is_int(spec.get("limit"))
                   and not set(spec) - {"limit", "scope"}):
                 budgets[name] = Budget(name, spec["limit"], str(spec.get("scope", JOB_SCOPE)))
@@ -273,7 +280,8 @@ def _rule_from_dict(raw: Any, index: int, source: str) -> Rule:
         raise PolicyError(f"{where}: unknown keys {sorted(unknown)}; allowed: {sorted(_RULE_KEYS)}")
     match_raw = raw.get("match", {})
     if not isinstance(match_raw, Mapping) or set(match_raw) - _MATCH_KEYS:
-        raise PolicyError(f"{where}: 'match' may only have {sorted(_MATCH_KEYS)}, found {match_raw!r}")
+        raise PolicyError(f"{where}: 'match' may only have {sorted(_MATCH_KEYS)}, "
+                          f"found {match_raw!r}")
     valid_causes = ", ".join(c.value for c in Cause)
     raw_causes = match_raw.get("causes")
     if raw_causes is not None and not _is_list(raw_causes):
@@ -291,7 +299,8 @@ def _rule_from_dict(raw: Any, index: int, source: str) -> Rule:
         raise PolicyError(f"{where}: primary must be true or false, found {primary!r}")
     actions = raw.get("actions")
     if not isinstance(actions, Sequence) or isinstance(actions, str) or not actions:
-        raise PolicyError(f"{where}: 'actions' must be a non-empty list like [\"restart_worker:worker_restarts\", \"fail_job\"]")
+        raise PolicyError(f"{where}: 'actions' must be a non-empty list like "
+                          "[\"restart_worker:worker_restarts\", \"fail_job\"]")
     steps = []
     for text in actions:
         name, _, budget = str(text).partition(":")
@@ -300,7 +309,8 @@ def _rule_from_dict(raw: Any, index: int, source: str) -> Rule:
         except ValueError:
             raise PolicyError(
                 f"{where}: unknown action {name!r}; valid actions: "
-                f"{', '.join(a.value for a in Action)} (optionally ':BUDGET', e.g. retry_job:job_retries)"
+                f"{', '.join(a.value for a in Action)} "
+                "(optionally ':BUDGET', e.g. retry_job:job_retries)"
             ) from None
         steps.append(Step(action, budget or None))
     return Rule(str(raw.get("name", f"user-{index}")), Match(
@@ -314,7 +324,8 @@ def load_policy(path: str | os.PathLike[str]) -> Policy:
     except FileNotFoundError:
         raise PolicyError(f"restart policy file {os.fspath(path)!r} does not exist") from None
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise PolicyError(f"restart policy file {os.fspath(path)!r} is not valid JSON: {exc}") from None
+        raise PolicyError(f"restart policy file {os.fspath(path)!r} is not valid JSON: "
+                          f"{exc}") from None
     except OSError as exc:
         raise PolicyError(f"restart policy file {os.fspath(path)!r} cannot be read: "
                           f"{exc.strerror or exc}") from None

@@ -1,10 +1,10 @@
 """A machine-wide quota (GPUs, CPU slots) shared by concurrent launches.
 
-Locally the "project quota" of PLATFORM.md section 1 is the machine: a job waits in
-``JOB_STATE_QUEUED`` until its request fits. Launches coordinate through a JSON ledger
-(``leases.json``) guarded by ``fcntl.flock``; each lease records its launcher's pid and the
-process create time, and leases of dead launchers are dropped on every read, so a SIGKILLed
-launcher never holds quota forever.
+Locally the platform's "project quota" (docs/platform.md, "Job lifecycle") is the machine:
+a job waits in ``JOB_STATE_QUEUED`` until its request fits. Launches coordinate through a
+JSON ledger (``leases.json``) guarded by ``fcntl.flock``; each lease records its launcher's
+pid and the process create time, and leases of dead launchers are dropped on every read, so
+a SIGKILLed launcher never holds quota forever.
 """
 
 from __future__ import annotations
@@ -20,6 +20,8 @@ from pathlib import Path
 from typing import Any
 
 import psutil
+
+from .resources import process_start_time
 
 logger = logging.getLogger(__name__)
 
@@ -68,13 +70,6 @@ def default_quota_dir(env: Mapping[str, str] | None = None) -> Path:
     return Path(cache).expanduser() / "resilient-train" / "quota"
 
 
-def _create_time(pid: int) -> float | None:
-    try:
-        return psutil.Process(pid).create_time()
-    except psutil.Error:
-        return None
-
-
 def _alive(pid: int, create_time: float | None) -> bool:
     if not psutil.pid_exists(pid):
         return False
@@ -112,7 +107,7 @@ class LocalQuota:
     def try_acquire(self, job_id: str, request: Request, pid: int | None = None) -> Lease | None:
         """Grant the lowest free GPU ids and CPU slots, or None when they are not free now."""
         pid = os.getpid() if pid is None else pid
-        create_time = _create_time(pid)
+        create_time = process_start_time(pid)
         if create_time is None:
             raise ValueError(
                 f"quota lease for job {job_id!r} names pid {pid}, which is not a live process; "

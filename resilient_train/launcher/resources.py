@@ -26,6 +26,7 @@ __all__ = [
     "kernel_oom_kills",
     "memory_limit_for",
     "parse_memory",
+    "process_start_time",
     "process_tree",
     "process_tree_memory",
     "process_tree_rss",
@@ -182,8 +183,8 @@ MACHINE_TYPES: Mapping[str, MachineType] = _table(
 def reserved_fraction(memory_bytes: int) -> float:
     """Share of a node's memory the platform keeps for its own agents.
 
-    Our reading of "up to 40% on the smallest machine types" (PLATFORM.md section 3):
-    40% up to 8 GiB, 25% up to 16 GiB, 15% up to 64 GiB, 8% above.
+    Our reading of "up to 40% on the smallest machine types" (docs/platform.md, "Common
+    errors"): 40% up to 8 GiB, 25% up to 16 GiB, 15% up to 64 GiB, 8% above.
     """
     if memory_bytes <= 8 * GiB:
         return 0.40
@@ -273,6 +274,15 @@ def _pss(pid: int) -> int | None:
     except (OSError, ValueError, IndexError):
         return None
     return None
+
+
+def process_start_time(pid: int) -> float | None:
+    """When ``pid`` started (psutil's create time, epoch seconds); None when there is no
+    such process. With the pid it tells one process from a later one that reused it."""
+    try:
+        return psutil.Process(pid).create_time()
+    except psutil.Error:
+        return None
 
 
 def kernel_oom_kills() -> int | None:

@@ -7,7 +7,7 @@ exited. A straggler is stopped and continued in ``SLOW_PERIOD_S`` periods and ru
 of each, so its steps take 1/SPEED as long on average.
 
 `Stall` is the arithmetic (pure, given the time); `signal_tree` sends the signals. The
-launcher (runner.py) owns both and must continue a stopped replica before it sends it
+launcher (faults.py) owns both and must continue a stopped replica before it sends it
 SIGTERM: a stopped process does not act on SIGTERM until it is continued.
 """
 

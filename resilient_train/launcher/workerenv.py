@@ -8,9 +8,9 @@ import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
-from ..cluster import cluster_spec_json, tf_config_json
+from ..cluster import cluster_spec_json, replica_name, tf_config_json
 from ..errors import ERROR_FILE_ENV
-from ..telemetry import FAILURES_ENV, OBSERVED_MTBF_ENV, TELEMETRY_ENV
+from ..telemetry import FAILURES_ENV, TELEMETRY_ENV
 from .machines import NODE_LOCAL_DIR_ENV, Placement
 
 # Pools 0 (primary) and 1 (workers) form the training process group; pools 2 (parameter
@@ -42,7 +42,7 @@ def replicas_for(pools: Sequence[tuple[str, int]]) -> tuple[Replica, ...]:
     for pool in sorted(counts, key=lambda p: int(p.removeprefix("workerpool"))):
         for i in range(counts[pool]):
             is_training = pool in TRAINING_POOLS
-            out.append(Replica(f"{pool}-{i}", pool, i, rank if is_training else None))
+            out.append(Replica(replica_name(pool, i), pool, i, rank if is_training else None))
             rank += 1 if is_training else 0
     return tuple(out)
 
@@ -71,8 +71,7 @@ LOCAL_PROJECT_NUMBER = "000000000000"
 
 def worker_env(job: JobEnv, replica: Replica, *, attempt: int, restart: int,
                error_file: str, gpu_ids: Sequence[int] | None,
-               base: Mapping[str, str], telemetry: str = "",
-               observed_mtbf_s: float | None = None, failures_file: str = "",
+               base: Mapping[str, str], telemetry: str = "", failures_file: str = "",
                placement: Placement | None = None) -> dict[str, str]:
     cluster: dict[str, list[str]] = {}
     for i, r in enumerate(job.replicas):
@@ -122,12 +121,11 @@ def worker_env(job: JobEnv, replica: Replica, *, attempt: int, restart: int,
         env["TF_CONFIG"] = tf_config
     else:
         env.pop("TF_CONFIG", None)
-    if failures_file:   # the same, kept current for a process that outlives failures
+    if failures_file:
+        # The job's failures so far, kept current by the launcher: the one channel by which
+        # a worker learns the job's observed MTBF (CheckpointOptions(policy=auto_interval()),
+        # telemetry.ObservedMtbf), restarted or one that outlives failures.
         env[FAILURES_ENV] = failures_file
-    if observed_mtbf_s is not None:   # for CheckpointOptions(policy=auto_interval())
-        env[OBSERVED_MTBF_ENV] = f"{observed_mtbf_s:.1f}"
-    else:
-        env.pop(OBSERVED_MTBF_ENV, None)
     if placement is not None:   # the replica's own machine (machines.py)
         env["TMPDIR"] = str(placement.tmpdir)
         env[NODE_LOCAL_DIR_ENV] = str(placement.node_local)
