@@ -5,8 +5,9 @@
 
 The state is a model-like ``torch.nn.Module`` with 64 float32 parameters (``--size-gb`` in
 all), tracked by a ``CheckpointManager``. Every measurement is warmed up once (the first
-I/O of a run is often several times slower, FIELD-NOTES.md) and then repeated
-``--repeats`` times, the contenders interleaved in each round; the table shows medians.
+I/O of a run is often several times slower: docs/libraries.md, "Local disk and torch") and
+then repeated ``--repeats`` times, the contenders interleaved in each round; the table
+shows medians.
 Ratios are "baseline / ours" where the target is "not slower" (>= 1.0 is good) and
 "ours / baseline" for the async blocking time (<= 1.5 is good).
 
@@ -34,7 +35,8 @@ from __future__ import annotations
 
 import os
 
-# Must be set before anything imports gcsfs (FIELD-NOTES.md: otherwise ~60 s per bucket op).
+# Must be set before anything imports gcsfs, or every bucket operation takes about 60 s
+# (docs/libraries.md, "gcsfs against a local GCS emulator").
 os.environ.setdefault("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")
 
 import argparse

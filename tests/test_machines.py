@@ -1,6 +1,6 @@
 """Each replica is its own machine: what it writes to its working directory, TMPDIR and
 node-local directory is its own, and survives exactly what the table in
-launcher/machines.py (and the README's) says, fault by fault."""
+launcher/machines.py (and docs/platform.md, "What a replica's files survive") says, fault by fault."""
 
 from __future__ import annotations
 

@@ -19,7 +19,7 @@ How a store hosted by the primary is reached (rendezvous.py puts the parts toget
 
 The socket filter is Linux's (classic BPF); elsewhere the inner port is open to other
 local users, and a warning says so. Under torchrun's agent store none of this applies:
-the agent hosts its own store (see README, "Security").
+the agent hosts its own store (see docs/design.md, "Storage security").
 """
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""A training script written the way DESIGN.md section 1 shows, for the runtime tests.
+"""A training script written the way README.md ("Your training script") shows, for the runtime
+tests.
 
 Environment: CKPT (checkpoint directory), STEPS, FAIL_AT (raise at this step, once: the
 marker file FAIL_ONCE says it already happened), FAIL_KIND (transient | bug), OUT (where

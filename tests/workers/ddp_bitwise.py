@@ -1,7 +1,7 @@
 """DDP training under ``@rt.main`` whose final weights do not depend on where it was
 interrupted: step-keyed data, and ``find_unused_parameters=True`` so that DDP keeps its
 first gradient-bucket layout (with 3+ ranks the layout decides the order in which gloo
-sums, README "Exact data position"). The primary writes ``$AIP_MODEL_DIR/model.pt``.
+sums, docs/checkpointing.md, "Exact data position"). The primary writes ``$AIP_MODEL_DIR/model.pt``.
 
 ``ddp_bitwise.py STEPS SAVE_EVERY STEP_TIME_S HANG_TIMEOUT_S``
 """
