@@ -15,6 +15,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Union
 
+from ..text import first_line
 from .events import EVENT_FIELDS, Event, EventKind, decision_summary, iso
 from .machines import new_vm_after
 from .messages import (
@@ -556,7 +557,7 @@ class JobMachine:
         self._set_state(state, now)
         if self.error is not None:
             self._event(now, EventKind.ERROR, f"job {self.config.name}: error "
-                        f"{self.error.code}: {self.error.message.splitlines()[0]}",
+                        f"{self.error.code}: {first_line(self.error.message, limit=1000)}",
                         code=self.error.code)
         return [ReleaseCapacity()]
 

@@ -49,7 +49,7 @@ from .logtail import peer_connection_error
 from .machines import NODE_LOCAL_DIR_ENV, Machines
 from .memory import MemoryLimit
 from .messages import STATUS_FAULT_NOT_FIRED, STATUS_INTERNAL
-from .policy import Cause, Policy, Strategy
+from .policy import Policy, Strategy
 from .processes import ProcessTrees, Worker, kill_all, spawn
 from .programs import PoolProgram
 from .quota import Capacity, LocalQuota, Request, default_quota_dir
@@ -482,7 +482,7 @@ class Launcher:
         if verdict.observed is not None:
             self.note(EventKind.FAULT, f"{ended.replica}: {verdict.observed}",
                       replica=ended.replica, cause=verdict.cause.value,
-                      fault="oom" if verdict.cause is Cause.OOM else "kill", injected=False,
+                      fault=verdict.fault, injected=False,
                       step=ended.step, counts_as_failure=True)
         connection_error = peer_connection_error(tail) if verdict.exit_code else None
         return self.machine.worker_exited(ended.replica, verdict.exit_code, verdict.cause,
