@@ -85,9 +85,11 @@ class FsspecStorage(Storage):
         """Run an fsspec coroutine on its loop for at most ``budget.remaining_s``, or
         ``budget.transfer_s`` once this attempt has reached the endpoint; then cancel it
         (a library mid-backoff included) and raise FSTimeoutError."""
+        # Counted before the coroutine starts: on its loop's thread it may reach the
+        # endpoint (reuse a pooled connection) before this thread reads the count again.
+        reached_before = self._connections_made()
         fut = asyncio.run_coroutine_threadsafe(coro, self._fs.loop)
         start = time.monotonic()
-        reached_before = self._connections_made()
         limit = start + budget.remaining_s
         extended = False
         try:
