@@ -19,7 +19,6 @@ before events had fields draws its lives and states, but not its faults' kinds o
 
 from __future__ import annotations
 
-import datetime as _dt
 import functools
 import html
 import itertools
@@ -32,7 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from .goodput import redone_steps
-from .launcher.events import Event, EventKind, decision_summary, iso
+from .launcher.events import Event, EventKind, decision_summary, epoch, iso
 from .launcher.record import JOB_FILE, mask_command, read_job, telemetry_prefixes
 from .telemetry import LifeTelemetry, Segment, read_life
 from .text import format_duration
@@ -103,12 +102,6 @@ _XML_BAD = re.compile("[\x00-\x08\x0b\x0c\x0e-\x1f\ufffe\uffff]")
 def _esc(value: object) -> str:
     """Text from the record, safe in HTML and in the SVG's XML."""
     return html.escape(_XML_BAD.sub("\ufffd", str(value)), quote=True)
-
-
-def _epoch(iso_time: str | None) -> float | None:
-    if not iso_time:
-        return None
-    return _dt.datetime.fromisoformat(str(iso_time).replace("Z", "+00:00")).timestamp()
 
 
 # A duration in a column: 0.35 s, 12.3 s, 4 min 05 s, 2 h 03 min.
@@ -827,11 +820,11 @@ def render_report(job: Mapping[str, Any],
     """The page for ``job`` (a parsed job.json) and the telemetry of each replica's lives
     (``read_life`` of each of its prefixes; missing or empty when the script reports none)."""
     telemetry = telemetry or {}
-    created = _epoch(job.get("create_time"))
+    created = epoch(job.get("create_time"))
     if created is None:
         raise ValueError("the job record has no create_time")
     events = _events(job)
-    ended = _epoch(job.get("end_time"))
+    ended = epoch(job.get("end_time"))
     finished = ended is not None
     segments = {r: sorted((_rel(s, created) for life in lives for s in life.segments),
                           key=lambda s: s.t_start) for r, lives in telemetry.items()}
@@ -852,7 +845,7 @@ def render_report(job: Mapping[str, Any],
     retries = []
     attempts = job.get("attempts") or []
     for prev, att in itertools.pairwise(attempts):
-        t = _epoch(att.get("start_time"))
+        t = epoch(att.get("start_time"))
         if t is not None:
             retries.append((t - created, f"attempt {att.get('attempt')}",
                             (f"attempt {att.get('attempt')} starts at {_at(t - created)}; "

@@ -207,13 +207,13 @@ def test_multi_rank_uses_the_slowest_ranks_cost(tmp_path: Path) -> None:
         spy = mgr.policy                                    # type: ignore[assignment]
         mgr.maybe_save(1)
         assert spy.seen[-1].save_cost_s is None
-        mgr._save_cost = 0.25                               # as if this rank had saved
+        mgr.scheduler.save_cost = 0.25                      # as if this rank had saved
         coord.theirs = [0, 1, 0, 1_500_000, -1]             # the peer: 1.5 s
-        mgr._next_sync_step = 0
+        mgr.scheduler.next_sync_step = 0
         mgr.maybe_save(2)
         assert spy.seen[-1].save_cost_s == 1.5
         coord.theirs = [0, 1, 0, 100_000, -1]
-        mgr._next_sync_step = 0
+        mgr.scheduler.next_sync_step = 0
         mgr.maybe_save(3)
         assert spy.seen[-1].save_cost_s == 0.25
 
@@ -259,7 +259,7 @@ def test_the_primarys_observed_mtbf_reaches_every_ranks_policy(
         mgr.maybe_save(1)
         assert spy.seen[-1].mtbf_s is None
         write_failures(log_file, since=mgr.clock() - 120.0, failures=3)
-        mgr._next_sync_step = 0
+        mgr.scheduler.next_sync_step = 0
         mgr.maybe_save(2)
         assert spy.seen[-1].mtbf_s == pytest.approx(40.0, abs=1.0)
 

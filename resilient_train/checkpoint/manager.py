@@ -225,23 +225,6 @@ class CheckpointManager:
     def sigterm_received(self) -> bool:
         return self.scheduler.sigterm_received
 
-    # tests/test_auto_interval.py sets these two to stage the agreement on a save's cost.
-    @property
-    def _save_cost(self) -> float | None:
-        return self.scheduler.save_cost
-
-    @_save_cost.setter
-    def _save_cost(self, cost: float | None) -> None:
-        self.scheduler.save_cost = cost
-
-    @property
-    def _next_sync_step(self) -> int:
-        return self.scheduler.next_sync_step
-
-    @_next_sync_step.setter
-    def _next_sync_step(self, step: int) -> None:
-        self.scheduler.next_sync_step = step
-
     # --- what to save -----------------------------------------------------------------
 
     def track(self, **objects: Any) -> None:

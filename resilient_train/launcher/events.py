@@ -16,7 +16,7 @@ from dataclasses import dataclass, fields
 from enum import Enum
 from typing import Any
 
-__all__ = ["EVENT_FIELDS", "Event", "EventKind", "decision_summary", "iso"]
+__all__ = ["EVENT_FIELDS", "Event", "EventKind", "decision_summary", "epoch", "iso"]
 
 
 class EventKind(str, Enum):
@@ -56,6 +56,13 @@ def decision_summary(action: str | None, rule: str | None, budget: str | None = 
     if budget is not None:
         text += f", {budget} {used}/{limit}"
     return text
+
+
+def epoch(when: str | None) -> float | None:
+    """The inverse of :func:`iso`: epoch seconds of a record's time (None stays None)."""
+    if not when:
+        return None
+    return _dt.datetime.fromisoformat(str(when).replace("Z", "+00:00")).timestamp()
 
 
 @dataclass(frozen=True)
@@ -100,10 +107,7 @@ class Event:
     def from_json(cls, data: Mapping[str, Any]) -> Event:
         """Read an event back from a job record (unknown keys are ignored; a record from
         before typed events reads back with its new fields None)."""
-        when = data.get("time")
-        t = (_dt.datetime.fromisoformat(str(when).replace("Z", "+00:00")).timestamp()
-             if when else 0.0)
-        return cls(kind=EventKind(str(data["kind"])), time=t,
+        return cls(kind=EventKind(str(data["kind"])), time=epoch(data.get("time")) or 0.0,
                    elapsed_s=float(data["elapsed_s"]), message=str(data.get("message", "")),
                    **{k: data[k] for k in _OPTIONAL if data.get(k) is not None})
 
