@@ -46,9 +46,12 @@ def train(ctx: rt.Context, args: argparse.Namespace) -> None:
     loss = torch.tensor(float("nan"))
     for step in ctx.steps(args.steps):   # after each step: save by policy, feed the watchdog
         if step == ctx.restored_step:
-            print(f"rank {ctx.rank}: resumed from step {step} ({ctx.checkpoints.storage.url})",
-                  flush=True)
+            print(f"rank {ctx.rank}: resumed from step {step} "
+                  f"(from {ctx.checkpoints.last_restore.describe()})", flush=True)
         x, y = (t.to(ctx.device) for t in batch(step, ctx.rank, ctx.world_size))
+        # Saved with every checkpoint. Set before opt.step(): the copy a peer holds for
+        # this rank is taken there, and is then already final (docs/checkpointing.md).
+        ctx.values["data_position"] = step + 1
         loss = nn.functional.mse_loss(ddp(x), y)
         opt.zero_grad()
         loss.backward()                  # the gradient all-reduce: fails if a peer died
@@ -57,7 +60,6 @@ def train(ctx: rt.Context, args: argparse.Namespace) -> None:
         if (step == args.hang_at_step and ctx.rank == ctx.world_size - 1
                 and os.environ.get("RESILIENT_TRAIN_ATTEMPT", "1") == "1"):
             time.sleep(10_000)           # a hung worker: the watchdog must notice
-        ctx.values["data_position"] = step + 1   # saved with every checkpoint
         if ctx.is_primary and (step + 1) % 20 == 0:
             print(f"step {step + 1}/{args.steps} loss {loss.item():.4f}", flush=True)
     if ctx.is_primary:

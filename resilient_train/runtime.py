@@ -16,7 +16,7 @@ import logging
 import os
 import sys
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, replace
+from dataclasses import asdict, dataclass, replace
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from . import sigterm
@@ -103,6 +103,7 @@ class Context:
         self.step = 0                    # steps done (the restored step before the loop)
         self.restored_step: int | None = None
         self._loaders: dict[str, Any] = {}   # tracked ResumableLoaders, by name
+        self._began = False   # restored: from here a failure hands this life's state over
 
     @property
     def rank(self) -> int:
@@ -143,11 +144,15 @@ class Context:
         start = self.checkpoints.restore_latest() or 0
         self.restored_step = start or None
         self.step = start
+        self._began = True
         if start:
             log.info("resuming after step %d", start)
         mgr, group, tele = self.checkpoints, self.group, _telemetry()
         if tele is not None:
             tele.begin_segment(start)   # the launcher's goodput accounting (telemetry.py)
+            if mgr.last_restore is not None:   # the job record's recoveries
+                tele.event("restore", **asdict(mgr.last_restore),
+                           generation=getattr(group, "generation", 0))
         # torch installs its DataLoader SIGCHLD handler with the first multi-process
         # iterator: from then on a worker's death raises at a batch only (sigterm.py).
         loading = sys.modules.get("torch.utils.data._utils.signal_handling")
@@ -163,6 +168,19 @@ class Context:
             if mgr.maybe_save(done) and tele is not None:
                 tele.saved(done, mgr.last_blocking_s)
             group.step_done(done)
+
+    def _hand_over(self) -> None:
+        """The life ends on an error: leave its state at the last step boundary in the
+        process's memory, for the next life's restore from peers (checkpoint/peers.py).
+        A life that failed before its restore leaves the previous one's in place."""
+        if not self._began:
+            return
+        try:
+            for loader in self._loaders.values():   # the step in flight's batches: undone
+                loader._rewind_to_boundary()
+            self.checkpoints.hand_over(self.step)
+        except Exception as exc:  # noqa: BLE001 - the failure on its way out matters more
+            log.warning("could not keep this life's state for peer recovery: %s", exc)
 
     def _finish(self) -> None:
         mgr = self.checkpoints
@@ -250,6 +268,7 @@ def _life(fn: Callable[..., R], group: Any, options: MainOptions, args: tuple[An
         except Exception as exc:
             if _loader_death(exc):
                 ctx._after_loader_death(exc)   # exits 134 when a SIGTERM stops the run
+            ctx._hand_over()
             raise
         ctx._finish()
     return result

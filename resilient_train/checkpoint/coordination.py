@@ -26,6 +26,9 @@ class Coordinator(Protocol):
     def gather(self, payload: Any) -> list[Any] | None:
         """Every rank's payload on the primary, None elsewhere (writer thread)."""
 
+    def allgather(self, payload: Any) -> list[Any]:
+        """Every rank's payload on every rank, in rank order (training thread)."""
+
 
 class SingleProcess:
     rank = 0
@@ -38,6 +41,9 @@ class SingleProcess:
         return list(values)
 
     def gather(self, payload: Any) -> list[Any] | None:
+        return [payload]
+
+    def allgather(self, payload: Any) -> list[Any]:
         return [payload]
 
 
@@ -76,6 +82,11 @@ class TorchDistributed:
     def gather(self, payload: Any) -> list[Any] | None:
         out: list[Any] | None = [None] * self.world_size if self.rank == 0 else None
         self._dist.gather_object(payload, out, dst=0, group=self._writer)
+        return out
+
+    def allgather(self, payload: Any) -> list[Any]:
+        out: list[Any] = [None] * self.world_size
+        self._dist.all_gather_object(out, payload, group=self._main)
         return out
 
     @property

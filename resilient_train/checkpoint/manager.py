@@ -53,6 +53,7 @@ from .directory import (
 )
 from .loader import load_verified
 from .manifest import MARKER, CheckpointError, CorruptCheckpointError, FileEntry, Manifest
+from .peers import PeerMemory, PeerRing, Plan, plan, process_memory, tensor_versions
 from .policy import FOUR_HOURS, SavePolicy, check_ceiling, every_n_steps, with_ceiling
 from .retention import RetentionPolicy
 from .scheduler import Decision, SaveScheduler, SigtermWatch
@@ -62,11 +63,13 @@ from .state import (
     capture_rng,
     check_weights_only,
     collect,
+    has_dtensor,
     restore,
     restore_rng,
     tree_on_host,
 )
 from .storage import RetryOptions, Storage, format_bytes, free_bytes, is_no_space
+from .transfer import broadcast_tree
 from .writer import RankFailure, StepWriter, WriterThread
 
 log = logging.getLogger(__name__)
@@ -97,6 +100,9 @@ class CheckpointOptions:
     # None: not said here (the manager alone: off; under @rt.main: MainOptions decides, on).
     save_on_sigterm: bool | None = None
     metadata: Mapping[str, Any] = field(default_factory=dict)   # JSON, in every manifest
+    # Multi-rank: after a peer's restart, restore from the survivors' memory instead of
+    # storage (peers.py). Costs each step a ring message of about 15 KB.
+    peer_recovery: bool = True
 
     def __post_init__(self) -> None:
         n = self.save_every_steps
@@ -120,6 +126,8 @@ class CheckpointOptions:
                     "rt.RetentionPolicy(keep_last=...)")
         expect_type("CheckpointOptions.retry", self.retry, RetryOptions, "rt.RetryOptions(...)")
         expect_type("CheckpointOptions.async_save", self.async_save, bool, "True or False")
+        expect_type("CheckpointOptions.peer_recovery", self.peer_recovery, bool,
+                    "True or False")
         expect_type("CheckpointOptions.save_on_sigterm", self.save_on_sigterm, (bool, NONE),
                     "True or False or None")
         if not _positive_seconds(self.sync_interval_s):
@@ -143,6 +151,33 @@ class CheckpointOptions:
         return with_ceiling(given, self.max_interval_s)
 
 
+@dataclass(frozen=True)
+class RestoreRecord:
+    """Where this rank's state came from at the start of a life: the job record's unit."""
+
+    step: int                      # 0: a fresh start
+    source: str                    # "peer", "persistent" or "none"
+    seconds: float
+    bytes_read: Mapping[str, int]  # per tier: "peer", "node-local", "persistent"
+    from_rank: int | None = None   # peer: who sent the replicated state
+    reason: str = ""               # why a faster tier was not used
+    where: str = ""                # persistent: the checkpoint directory's URL
+
+    def describe(self) -> str:
+        """Where the state came from, for a person: "rank 0's memory", a URL."""
+        if self.source == "peer":
+            return "its own memory" if self.from_rank is None else \
+                f"rank {self.from_rank}'s memory"
+        return self.where or self.source
+
+
+TIERS = ("peer", "node-local", "persistent")
+
+
+def _bytes_read(**per_tier: int) -> dict[str, int]:
+    return {tier: int(per_tier.get(tier.replace("-", "_"), 0)) for tier in TIERS}
+
+
 class TransientCheckpointError(CheckpointError, TransientError):
     """A background save failed for a reason that a retry can fix (storage, network)."""
 
@@ -160,13 +195,18 @@ class CheckpointStorageFullError(CheckpointError, PermanentError):
         self.free_bytes = free_bytes
 
 
+class _Sharded(Exception):
+    """Raised inside a hand-over: the state holds DTensors (peer copies of shards: not yet)."""
+
+
 class CheckpointManager:
     """Save, keep and restore training state; see the module docstring for its parts."""
 
     def __init__(self, directory: str | os.PathLike[str] | None = None, *,
                  options: CheckpointOptions | None = None,
                  coordinator: Coordinator | None = None,
-                 clock: Callable[[], float] = time.time) -> None:
+                 clock: Callable[[], float] = time.time,
+                 peer_memory: PeerMemory | None = None) -> None:
         self.options = options or CheckpointOptions()
         self.directory = os.fspath(directory) if directory is not None else default_directory()
         watch = SigtermWatch(bool(self.options.save_on_sigterm))   # first: see its docstring
@@ -200,6 +240,14 @@ class CheckpointManager:
         self.last_blocking_s = 0.0
         # For retention: the steps known to verify or not; neither is checked again.
         self.known = KnownSteps()
+        group = getattr(self.coord, "main_group", None)
+        self._ring: PeerRing | None = None
+        if self.options.peer_recovery and self.world_size > 1 and group is not None:
+            self._ring = PeerRing(self.rank, self.world_size, group,
+                                  peer_memory or process_memory(),
+                                  tensor_versions(self._tracked))
+        self.last_restore: RestoreRecord | None = None
+        self._read_bytes = 0   # checkpoint bytes this rank read from storage in a restore
 
     # --- what the scheduler owns, where callers read it ----------------------------------
 
@@ -231,6 +279,12 @@ class CheckpointManager:
         """Objects with ``state_dict``/``load_state_dict`` (model, optimizer, scheduler,
         scaler), replicated on every rank; the primary writes them."""
         self._tracked.update(objects)
+        if self._ring is not None:
+            import torch
+
+            for obj in objects.values():
+                if isinstance(obj, torch.optim.Optimizer):
+                    self._ring.watch_optimizer(obj, self._rank_state)
 
     # --- when to save -----------------------------------------------------------------
 
@@ -239,6 +293,8 @@ class CheckpointManager:
         cheap otherwise. Returns True when a save was started."""
         if self._error is not None:
             self._raise_error()
+        if self._ring is not None:
+            self._ring.boundary(step, self._rank_state())
         decision = self.scheduler.decide(step)
         if decision is Decision.SKIP:
             return False
@@ -258,7 +314,7 @@ class CheckpointManager:
         t_wait = time.perf_counter()
         self.wait()
         t0 = time.perf_counter()
-        tree: dict[str, Any] = {"rank": {"rng": capture_rng(), "values": dict(self.values)}}
+        tree: dict[str, Any] = {"rank": self._rank_state()}
         staged = self._sharded.stage(self._tracked)  # None unless some state is a DTensor
         if self.is_primary:
             tree["shared"] = staged.replicated if staged else collect(self._tracked)
@@ -280,6 +336,30 @@ class CheckpointManager:
         else:
             self._inflight = self._thread.submit(self._write_guarded, step, snap)
         self.scheduler.measured(time.perf_counter() - t_wait)   # a blocking save: its write too
+
+    def _rank_state(self) -> dict[str, Any]:
+        """What differs per rank and is saved per rank: the RNG streams and ``values``."""
+        return {"rng": capture_rng(), "values": dict(self.values)}
+
+    def hand_over(self, step: int) -> None:
+        """This life ends on an error after ``step`` finished steps: leave its state in the
+        process's memory, where the next life's restore finds it (peers.py). A reference,
+        not a copy; nothing when the state is not that of step ``step``'s boundary."""
+        if self._ring is None:
+            return
+
+        def state() -> dict[str, Any]:
+            tree = collect(self._tracked)
+            if has_dtensor(tree):
+                raise _Sharded
+            return tree
+
+        try:
+            self._ring.hand_over(step, state, self.scheduler.save_point,
+                                 self.last_commit_step)
+        except _Sharded:
+            self._ring.memory.why_not = ("sharded (DTensor) state is restored from storage: "
+                                         "peer copies of shards are not kept yet")
 
     def wait(self) -> None:
         """Block until the save in flight is committed; raise its error if it failed."""
@@ -442,11 +522,51 @@ class CheckpointManager:
     # --- restoring --------------------------------------------------------------------
 
     def restore_latest(self, *, strict: bool = True) -> int | None:
-        """Load the newest committed step that verifies into the tracked objects, the RNGs
-        and ``values``; return its step, or None when there is no checkpoint at all.
+        """Load the newest state into the tracked objects, the RNGs and ``values``; return
+        its step, or None when there is none at all. After an in-process recovery that is
+        the survivors' memory (peers.py: at most the step in flight lost, no storage read);
+        otherwise the newest committed step that verifies, read once and broadcast.
+        ``last_restore`` says which, with the bytes read per tier.
         A corrupt latest falls back to the previous one with a warning; if checkpoints
         exist but none verifies, raise instead of silently starting from scratch."""
         self.wait()
+        t0 = time.perf_counter()
+        reason = ""
+        if self._ring is not None:
+            the_plan = plan(self.coord.allgather(self._ring.report()))
+            if isinstance(the_plan, Plan):
+                return self._restore_from_peers(the_plan, strict, t0)
+            reason = the_plan.reason
+            if self.is_primary:   # one line for the job: every rank computed the same plan
+                (log.warning if the_plan.survivors else log.info)(
+                    "restoring from %s, not from peers: %s", self.storage.url, reason)
+        step = self._restore_from_storage(strict)
+        self.last_restore = RestoreRecord(
+            step=step or 0, source="persistent" if step else "none",
+            seconds=time.perf_counter() - t0,
+            bytes_read=_bytes_read(persistent=self._read_bytes), reason=reason,
+            where=self.storage.url)
+        if self._ring is not None and step:
+            self._ring.restored(step, self._rank_state())
+        return step
+
+    def _restore_from_peers(self, the_plan: Plan, strict: bool, t0: float) -> int:
+        assert self._ring is not None
+        got = self._ring.restore(the_plan)
+        self._load_trees(got.shared, got.mine, strict)
+        self.last_commit_step = got.last_commit
+        self.scheduler.restored(*got.save_point)
+        self._ring.restored(got.step, self._rank_state())
+        self.last_restore = RestoreRecord(
+            step=got.step, source="peer", seconds=time.perf_counter() - t0,
+            bytes_read=_bytes_read(peer=got.nbytes), from_rank=got.from_rank)
+        log.info("restored step %d from %s (%s of state received), no storage read",
+                 got.step, "memory" if got.from_rank is None else f"rank {got.from_rank}",
+                 format_bytes(got.nbytes))
+        return got.step
+
+    def _restore_from_storage(self, strict: bool) -> int | None:
+        self._read_bytes = 0
         infos = scan(self.storage, with_manifest=False) if self.is_primary else []
         names: list[tuple[int, str]] = self.coord.broadcast(
             [(i.step, i.name) for i in infos if i.committed] if self.is_primary else None)
@@ -462,6 +582,7 @@ class CheckpointManager:
             # Every rank must restore the same step: one rank's bad file skips it for all.
             if self.coord.allreduce_max([0 if loaded else 1])[0] == 0 and loaded is not None:
                 manifest, shared, mine = loaded
+                shared = self._share(shared)
                 self._apply(manifest, shared, mine, strict)
                 self.known.restored = name
                 return step
@@ -527,32 +648,58 @@ class CheckpointManager:
         problems = manifest_problems(manifest, present, self.storage, name)
         if problems:
             raise CorruptCheckpointError(f"{where}: " + "; ".join(problems))
-        shared = load_verified(self.storage, name, SHARED_FILE, manifest)
+        # Read once: the replicated state is the same for every rank, so the primary reads
+        # it and broadcasts it (_share) instead of every rank reading the same bytes.
+        shared: dict[str, Any] = {}
+        if self._reads_shared():
+            shared = load_verified(self.storage, name, SHARED_FILE, manifest)
+            self._read_bytes += manifest.files[SHARED_FILE].size
         if manifest.layout == SHARDED_LAYOUT:  # deep-check the DCP files this rank reads
             self._sharded.verify(self.storage, name, manifest)
         own = rank_file(self.rank)
-        mine = load_verified(self.storage, name, own, manifest) if own in manifest.files else None
+        mine = None
+        if own in manifest.files:
+            mine = load_verified(self.storage, name, own, manifest)
+            self._read_bytes += manifest.files[own].size
         return manifest, shared, mine
+
+    def _reads_shared(self) -> bool:
+        return self.is_primary or getattr(self.coord, "main_group", None) is None
+
+    def _share(self, shared: dict[str, Any]) -> dict[str, Any]:
+        """The primary's replicated state on every rank (read once, broadcast)."""
+        group = getattr(self.coord, "main_group", None)
+        if self.world_size == 1 or group is None:
+            return shared
+        return broadcast_tree(shared if self.is_primary else None, 0, self.rank, group).tree
 
     def _apply(self, manifest: Manifest, shared: dict[str, Any], mine: dict[str, Any] | None,
                strict: bool) -> None:
         if manifest.layout == SHARDED_LAYOUT:
             self._sharded.load(self.storage, manifest, self._tracked, shared, strict=strict)
-        else:
-            restore(self._tracked, shared, strict=strict)
         if mine is None:
             log.warning("checkpoint step %d was written by %d ranks and has no file for rank "
                         "%d: its RNG state stays as it is and the values of rank 0 are used",
                         manifest.step, manifest.world_size, self.rank)
             mine = load_verified(self.storage, find_committed(self.storage, manifest.step),
                                  rank_file(0), manifest)
-        else:
-            restore_rng(mine["rng"])
-        self.values.clear()
-        self.values.update(mine["values"])
+            self._read_bytes += manifest.files[rank_file(0)].size
+            mine = {"values": mine["values"]}   # another rank's RNG streams are not ours
+        self._load_trees(None if manifest.layout == SHARDED_LAYOUT else shared, mine, strict)
         self.last_commit_step = manifest.step
         self.scheduler.restored(manifest.step, manifest.created)
         log.info("restored checkpoint step %d from %s", manifest.step, self.storage.url)
+
+    def _load_trees(self, shared: dict[str, Any] | None, mine: dict[str, Any],
+                    strict: bool) -> None:
+        """Load a replicated tree into the tracked objects (None: already loaded, sharded)
+        and a per-rank tree into the RNGs (when it has them) and ``values``."""
+        if shared is not None:
+            restore(self._tracked, shared, strict=strict)
+        if "rng" in mine:
+            restore_rng(mine["rng"])
+        self.values.clear()
+        self.values.update(mine["values"])
 
     # --- SIGTERM ----------------------------------------------------------------------
 

@@ -181,10 +181,16 @@ class SaveScheduler:
         self.save_cost = cost_s if self.save_cost is None else \
             0.7 * self.save_cost + 0.3 * cost_s
 
-    def restored(self, step: int, created: float) -> None:
+    def restored(self, step: int | None, created: float) -> None:
         """The run resumed from ``step``, committed at ``created``."""
         self.last_save_step = step
         self._last_save_time = created
+
+    @property
+    def save_point(self) -> tuple[int | None, float]:
+        """The last save (or restored step) and when: what a peer restore carries over, so
+        time-based saves keep their clock across an in-process recovery."""
+        return self.last_save_step, self._last_save_time
 
     def close(self) -> None:
         self.watch.close()

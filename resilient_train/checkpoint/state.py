@@ -40,6 +40,8 @@ __all__ = [
     "collect",
     "restore",
     "restore_rng",
+    "has_dtensor",
+    "tree_map_leaves",
     "tree_map_tensors",
     "weights_only_refusal",
     "tree_nbytes",
@@ -418,6 +420,19 @@ def tree_map_tensors(fn: Callable[[torch.Tensor], Any], tree: Any) -> Any:
     """A copy of ``tree``'s containers with ``fn`` applied to every tensor; other leaves
     are shared with the input, not copied."""
     return _map_tree(tree, lambda _key, t: fn(t), lambda x: x)
+
+
+def tree_map_leaves(fn: Callable[[Any], Any], tree: Any) -> Any:
+    """A copy of ``tree``'s containers with ``fn`` applied to every leaf that is not a
+    tensor; tensors are shared with the input."""
+    return _map_tree(tree, lambda _key, t: t, fn)
+
+
+def has_dtensor(tree: Any) -> bool:
+    """True when some tensor in ``tree`` is a DTensor (sharded state: FSDP2, TP)."""
+    found: list[bool] = []
+    _map_tree(tree, lambda _key, t: found.append(_is_dtensor(t)), lambda x: x)
+    return any(found)
 
 
 def tree_on_host(tree: Any) -> bool:

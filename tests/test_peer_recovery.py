@@ -1,0 +1,210 @@
+"""Recovery from live peers (checkpoint/peers.py, transfer.py): the plan every rank computes,
+the state moved between real processes over gloo, and a 3-worker job under the launcher
+that loses a worker, then its primary, then the whole attempt, and ends with the weights,
+RNG streams and values of a run that never failed, having read no storage for the first
+two faults."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from resilient_train.checkpoint.directory import (
+    SHARED_FILE,
+    find_committed,
+    rank_file,
+    read_manifest,
+)
+from resilient_train.checkpoint.peers import NoPlan, Plan, Report, _dumps, _loads, plan
+from resilient_train.checkpoint.state import capture_rng
+from resilient_train.checkpoint.storage import Storage
+from resilient_train.ports import free_port
+
+HERE = Path(__file__).resolve().parent
+
+
+def report(rank: int, replicated: int | None = None, own: tuple[int, ...] = (),
+           held: tuple[int, ...] = (), world: int = 3, last_commit: int | None = None,
+           why_not: str = "") -> Report:
+    return Report(rank=rank, replicated=replicated, own=own,
+                  held_for=(rank - 1) % world if held else None, held=held,
+                  last_commit=last_commit, save_point=(last_commit, 0.0), why_not=why_not)
+
+
+# --- the plan ---------------------------------------------------------------------------
+
+
+def test_a_restarted_rank_gets_its_state_from_the_next_rank_and_the_model_from_the_lowest():
+    got = plan([report(0, 40, (39, 40), (39, 40)), report(1),
+                report(2, 40, (39, 40), (39, 40))])
+    assert isinstance(got, Plan)
+    assert (got.step, got.holder, got.needs_state) == (40, 0, (1,))
+    assert got.rank_source == {0: 0, 1: 2, 2: 2}   # rank 1's RNG and values: rank 2 holds them
+
+
+def test_survivors_a_step_apart_agree_on_the_older_step_that_everyone_can_restore():
+    # Rank 0 finished step 41 (it holds rank 1's early copy of 41? no: rank 1 died before
+    # sending it), rank 2 waited before its optimizer step and is still at 40.
+    got = plan([report(0, 41, (40, 41), (40, 41)), report(1),
+                report(2, 40, (39, 40), (39, 40))])
+    assert isinstance(got, Plan)
+    assert got.step == 40 and got.holder == 2
+    assert got.needs_state == (0, 1)                   # rank 0 is a step ahead: it gets 40
+    assert got.rank_source == {0: 0, 1: 2, 2: 2}
+
+
+def test_no_plan_when_a_rank_and_its_holder_are_both_lost():
+    got = plan([report(0, 40, (39, 40), (39, 40)), report(1), report(2)])
+    assert isinstance(got, NoPlan) and got.survivors
+    assert "rank 1's RNG and values of step 40" in got.reason
+
+
+def test_no_plan_at_a_fresh_start_and_none_when_every_survivor_is_torn():
+    fresh = plan([report(0), report(1), report(2)])
+    assert isinstance(fresh, NoPlan) and not fresh.survivors
+    torn = plan([report(0, None, (40,), (40,), why_not="its step 41 had already changed"),
+                 report(1), report(2, None, (40,), (40,), why_not="its step 41 had already")])
+    assert isinstance(torn, NoPlan) and torn.survivors
+    assert "rank 0: its step 41 had already changed" in torn.reason
+
+
+def test_a_newer_committed_checkpoint_wins_over_memory():
+    got = plan([report(0, 40, (40,), (40,), last_commit=45), report(1),
+                report(2, 40, (40,), (40,))])
+    assert isinstance(got, NoPlan)
+    assert "newer checkpoint (step 45)" in got.reason
+
+
+def test_rank_state_bytes_are_the_same_for_the_same_state_and_round_trip():
+    # The step's early and final copies are compared as bytes: equal state, equal bytes.
+    state = {"rng": capture_rng(), "values": {"seen": 3, "t": torch.arange(4)}}
+    a, b = _dumps(state), _dumps({"rng": capture_rng(), "values": {"seen": 3,
+                                                                   "t": torch.arange(4)}})
+    assert a == b
+    back = _loads(a)
+    assert torch.equal(back["rng"]["torch_cpu"], state["rng"]["torch_cpu"])
+    assert back["rng"]["python"] == state["rng"]["python"]
+    assert torch.equal(back["values"]["t"], torch.arange(4))
+    torch.rand(3)
+    assert _dumps({"rng": capture_rng(), "values": {}}) != _dumps({"rng": state["rng"],
+                                                                    "values": {}})
+
+
+# --- moving state between processes -----------------------------------------------------
+
+
+def test_a_state_tree_moves_point_to_point_and_by_broadcast_between_real_processes(
+        tmp_path: Path) -> None:
+    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()),
+               WORLD_SIZE="3", RESULT_DIR=str(tmp_path), GLOO_SOCKET_IFNAME="lo")
+    procs = [subprocess.Popen([sys.executable, str(HERE / "dist_workers" / "transfer_worker.py")],
+                              env=env | {"RANK": str(r)}, stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT) for r in range(3)]
+    outs = [p.communicate(timeout=120)[0].decode(errors="replace") for p in procs]
+    assert [p.returncode for p in procs] == [0, 0, 0], outs
+    sys.path.insert(0, str(HERE / "dist_workers"))
+    try:
+        from transfer_worker import tree
+    finally:
+        sys.path.pop(0)
+    want = tree()
+    nbytes = 300 * 1000 * 4 + 7 * 2 + 15 * 4 + 9 + 6 * 8 + 4   # tied tensors travel once
+    for rank in range(3):
+        got = torch.load(tmp_path / f"rank{rank}.pt", weights_only=True)
+        for key in ("p2p", "bcast") if rank == 2 else ("bcast",):
+            tree_ = got[key]
+            for name, t in want["model"].items():
+                assert tree_["model"][name].dtype == t.dtype, (rank, key, name)
+                assert torch.equal(tree_["model"][name], t), (rank, key, name)
+            assert tree_["model"]["tied_a"].data_ptr() == tree_["model"]["tied_b"].data_ptr()
+            assert torch.equal(tree_["optimizer"]["state"][0]["step"], torch.tensor(12.0))
+            assert tree_["optimizer"]["param_groups"] == want["optimizer"]["param_groups"]
+            assert tree_["plain"] == want["plain"]
+        assert got["bcast_bytes"] == nbytes
+    assert torch.load(tmp_path / "rank0.pt")["sent_bytes"] == nbytes
+
+
+# --- a job under the launcher -----------------------------------------------------------
+
+STEPS = 90
+RANK_OF = {"workerpool0-0": 0, "workerpool1-0": 1, "workerpool1-1": 2}
+
+
+def launch(tmp: Path, name: str, chaos: str | None) -> tuple[dict, str, Path]:
+    job_dir = tmp / name
+    proc = subprocess.run(
+        [sys.executable, "-m", "resilient_train.cli", "launch", "--workers", "3",
+         "--job-dir", str(job_dir), *(["--chaos", chaos] if chaos else []), "--",
+         sys.executable, str(HERE / "workers" / "peer_ddp.py"), str(STEPS), "25", "0.03"],
+        env=dict(os.environ, RESILIENT_TRAIN_QUOTA_DIR=str(tmp / "quota"),
+                 RESILIENT_TRAIN_FORM_TIMEOUT_S="15"),
+        cwd=tmp, capture_output=True, text=True, timeout=400)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-4000:]
+    return json.loads((job_dir / "job.json").read_text()), out, job_dir
+
+
+def restores(job_dir: Path) -> list[dict]:
+    """Every restore event the workers reported, in time order."""
+    events = []
+    for path in (job_dir / "telemetry").rglob("*.jsonl"):
+        for line in path.read_text().splitlines():
+            rec = json.loads(line)
+            if rec["kind"] == "restore":
+                events.append(rec | {"life": str(path.relative_to(job_dir))})
+    return sorted(events, key=lambda e: e["t"])
+
+
+@pytest.mark.slow
+def test_three_workers_lose_a_worker_their_primary_and_an_attempt_and_end_bitwise(
+        tmp_path: Path) -> None:
+    _, _, clean = launch(tmp_path, "clean", None)
+    job, out, faulted = launch(tmp_path, "faulted", ",".join([
+        "kill:workerpool1-1@step30",    # rank 2's node: peers restore it
+        "kill:workerpool0-0@step55",    # the primary, and the store with it: peers again
+        "internal@step75",              # the attempt fails: every process is new, storage
+    ]))
+    assert job["state"] == "JOB_STATE_SUCCEEDED"
+    assert len(job["attempts"]) == 2, out[-3000:]
+    events = restores(faulted)
+    first, second = [[e for e in events if e["generation"] == g and "attempt-1" in e["life"]]
+                     for g in (1, 2)]
+    for recovery, lost_rank in ((first, 2), (second, 0)):
+        assert len(recovery) == 3, events
+        assert {e["source"] for e in recovery} == {"peer"}, events   # every rank
+        assert {e["step"] for e in recovery} == {recovery[0]["step"]}
+        assert any(f"workerpool{'0-0' if lost_rank == 0 else '1-1'}.restart-1" in e["life"]
+                   and e["from_rank"] is not None for e in recovery), recovery
+        assert all(e["bytes_read"]["persistent"] == 0 for e in recovery)
+        receivers = [e for e in recovery if e["from_rank"] is not None]
+        assert len(receivers) >= 1 and all(e["bytes_read"]["peer"] > 0 for e in receivers)
+    # Peers restore the step the primary had reached (checkpoints are every 25 steps).
+    assert first[0]["step"] in (30, 31) and second[0]["step"] in (55, 56), events
+    retried = [e for e in events if "attempt-2" in e["life"]]
+    assert len(retried) == 3 and {e["source"] for e in retried} == {"persistent"}, events
+    assert len({e["step"] for e in retried}) == 1 and retried[0]["step"] >= 50, events
+    # Read once: the primary reads the replicated file, each rank its own file only.
+    storage = Storage(str(faulted / "output" / "checkpoints"))
+    step = retried[0]["step"]
+    files = read_manifest(storage, find_committed(storage, step), step).files
+    read = {RANK_OF[Path(e["life"]).name.split(".")[0]]: e["bytes_read"]["persistent"]
+            for e in retried}
+    assert read == {r: files[rank_file(r)].size + (files[SHARED_FILE].size if r == 0 else 0)
+                    for r in range(3)}, (read, files)
+    assert all(e["reason"].startswith("no process holds training state in memory")
+               for e in retried), retried
+    for name in ("model.pt", "rank0.pt", "rank1.pt", "rank2.pt"):
+        want = torch.load(clean / "output" / "model" / name, weights_only=True)
+        got = torch.load(faulted / "output" / "model" / name, weights_only=True)
+        if name == "model.pt":
+            assert want.keys() == got.keys()
+            assert all(torch.equal(want[k], got[k]) for k in want), name
+        else:
+            assert got["values"] == want["values"], name
+            assert torch.equal(got["draws"], want["draws"]), name
