@@ -132,7 +132,7 @@ def test_a_state_tree_moves_point_to_point_and_by_broadcast_between_real_process
 
 # --- a job under the launcher -----------------------------------------------------------
 
-STEPS = 90
+STEPS = 100
 RANK_OF = {"workerpool0-0": 0, "workerpool1-0": 1, "workerpool1-1": 2}
 
 
@@ -168,7 +168,7 @@ def test_three_workers_lose_a_worker_their_primary_and_an_attempt_and_end_bitwis
     job, out, faulted = launch(tmp_path, "faulted", ",".join([
         "kill:workerpool1-1@step30",    # rank 2's node: peers restore it
         "kill:workerpool0-0@step55",    # the primary, and the store with it: peers again
-        "internal@step75",              # the attempt fails: every process is new, storage
+        "internal@step70",              # the attempt fails: every process is new, storage
     ]))
     assert job["state"] == "JOB_STATE_SUCCEEDED"
     assert len(job["attempts"]) == 2, out[-3000:]

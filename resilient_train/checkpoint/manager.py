@@ -69,10 +69,15 @@ from .state import (
     tree_on_host,
 )
 from .storage import RetryOptions, Storage, format_bytes, free_bytes, is_no_space
+from .ringlink import RingLink, local_address, new_token
 from .transfer import broadcast_tree
 from .writer import RankFailure, StepWriter, WriterThread
 
 log = logging.getLogger(__name__)
+
+# How long a peer-ring neighbour may take to connect, or to send its state at a step:
+# as long as a collective may take (DistributedOptions.collective_timeout_s's default).
+RING_TIMEOUT_S = 600.0
 
 
 def _positive_seconds(value: object) -> bool:
@@ -243,7 +248,13 @@ class CheckpointManager:
         group = getattr(self.coord, "main_group", None)
         self._ring: PeerRing | None = None
         if self.options.peer_recovery and self.world_size > 1 and group is not None:
-            self._ring = PeerRing(self.rank, self.world_size, group,
+            # Collective: every rank connects to its ring neighbours (ringlink.py).
+            link = RingLink.connect(
+                self.rank, self.world_size, self.coord.allgather,
+                local_address(os.environ.get("MASTER_ADDR", "127.0.0.1"),
+                              int(os.environ.get("MASTER_PORT", "0") or 0)),
+                self.coord.broadcast(new_token()), timeout_s=RING_TIMEOUT_S)
+            self._ring = PeerRing(self.rank, self.world_size, group, link,
                                   peer_memory or process_memory(),
                                   tensor_versions(self._tracked))
         self.last_restore: RestoreRecord | None = None
@@ -294,7 +305,7 @@ class CheckpointManager:
         if self._error is not None:
             self._raise_error()
         if self._ring is not None:
-            self._ring.boundary(step, self._rank_state())
+            self._ring.boundary(step, self._rank_state, self.values)
         decision = self.scheduler.decide(step)
         if decision is Decision.SKIP:
             return False
@@ -373,6 +384,8 @@ class CheckpointManager:
         try:
             self.wait()
         finally:
+            if self._ring is not None:
+                self._ring.link.close()
             self._thread.shutdown()
             self._sharded.close()
             self.scheduler.close()

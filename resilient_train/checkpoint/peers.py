@@ -33,16 +33,17 @@ travels as a weights-only skeleton and raw tensors (transfer.py).
 
 from __future__ import annotations
 
+import io
 import logging
 import pickle
-import struct
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from .state import tree_map_leaves, tree_map_tensors
+from .ringlink import Frame, RingLink
+from .state import rng_fingerprint
 from .transfer import Moved, recv_tree, send_tree
 
 log = logging.getLogger(__name__)
@@ -50,13 +51,11 @@ log = logging.getLogger(__name__)
 # Boundaries of per-rank state kept (own and the partner's): survivors are at most one
 # step apart (a step's collectives need every rank), so two always cover the agreed step.
 KEEP = 2
-# The ring's fixed message: step and length, then the payload (a larger one overflows
-# into a second message). RNG states and small values fit: about 15 KB.
-_HEAD = struct.Struct("<qqq")   # step, length, flags
-_FINAL = 1   # sent at the step's end: the state the step ended in
+# The ring's messages (ringlink.py frames): a rank's state sent just before its optimizer
+# step, and at the step's end when that early copy does not count. About 15 KB each.
+_EARLY, _STEP_END = 1, 2
+_FINAL = 1   # flags: sent at the step's end, the state the step ended in
 _LATE = 2    # the sender changes its state after its optimizer step: an early copy is stale
-_EARLY, _STEP_END = 1, 2   # message tags: before the optimizer step, at the step's end
-RING_BYTES = 64 << 10
 
 
 @dataclass
@@ -192,22 +191,19 @@ class Recovered:
 class PeerRing:
     """One life's side of peer recovery: the per-step ring and the restore."""
 
-    def __init__(self, rank: int, world_size: int, group: Any, memory: PeerMemory,
-                 versions: Callable[[], int]) -> None:
-        self.rank, self.world_size, self.group = rank, world_size, group
+    def __init__(self, rank: int, world_size: int, group: Any, link: RingLink,
+                 memory: PeerMemory, versions: Callable[[], int]) -> None:
+        self.rank, self.world_size = rank, world_size
+        self.group = group                  # the restore's transfers (transfer.py)
+        self.link = link                    # the per-step messages (ringlink.py)
         self.memory = memory
         self._versions = versions          # the tracked tensors' in-place write count
         self._boundary_versions: int | None = None
-        self._next = (rank + 1) % world_size
-        self._prev = (rank - 1) % world_size
-        self._inbox = torch.empty(RING_BYTES, dtype=torch.uint8)
-        self._outbox = torch.empty(RING_BYTES, dtype=torch.uint8)
-        self._final_in = torch.empty(_HEAD.size, dtype=torch.uint8)
-        self._final_out = torch.empty(_HEAD.size, dtype=torch.uint8)
-        self._pending: list[Any] = []       # the last step-end message: [recv, sends...]
         self._sent_for: int | None = None   # the step whose early copy went round the ring
         self._sent: bytes = b""             # ... and what it was
-        self._late = False   # the last step changed RNG or values after the optimizer step
+        self._sent_print: Any = None        # ... and its fingerprint
+        self._early_flags = 0               # ... and its flags
+        self._late = False   # a step changed RNG or values after its optimizer step
         self._done = 0                      # steps finished (the last boundary)
         self._hooked: set[int] = set()
 
@@ -225,7 +221,7 @@ class PeerRing:
         step, a rank lost in that window would take its state with it while the others
         moved on, leaving no step that all could restore. A step that changes the RNGs or
         ``values`` after the optimizer step sends its final state again at its end (see
-        :meth:`boundary`), and its early copies stop counting."""
+        :meth:`boundary`), and from then on its early copies do not count."""
         if id(optimizer) in self._hooked:
             return
         self._hooked.add(id(optimizer))
@@ -233,80 +229,49 @@ class PeerRing:
         def before_step(_opt: Any, _args: Any, _kwargs: Any) -> None:
             step = self._done + 1
             if self._sent_for != step:   # the first optimizer of the step sends
-                self._collect(block=True)
-                self._sent_for, self._sent = step, _dumps(rank_state())
-                self._exchange(step, self._sent, _LATE if self._late else 0)
+                self._take_arrived()
+                # A life's first copy does not count yet: whether the step changes its
+                # state after the optimizer step is known at its end.
+                self._early_flags = _LATE if self._late or self._sent_for is None else 0
+                state = rank_state()
+                self._sent_for, self._sent = step, _dumps(state)
+                self._sent_print = _fingerprint(state["values"], state["rng"])
+                self.link.send(_EARLY, step, self._early_flags, self._sent)
+                self._keep(self.link.receive(_EARLY))
 
         optimizer.register_step_pre_hook(before_step)
 
-    def boundary(self, step: int, rank_state: Mapping[str, Any]) -> None:
-        """Step ``step`` is done: keep this rank's state, and tell the next rank, without
-        waiting, whether it differs from the early copy (then with the state itself)."""
-        import torch.distributed as dist
-
-        self._collect(block=True)
+    def boundary(self, step: int, rank_state: Callable[[], Mapping[str, Any]],
+                 values: Mapping[str, Any]) -> None:
+        """Step ``step`` is done: keep this rank's state; send it to the next rank (without
+        waiting) when its early copy does not count (see :meth:`watch_optimizer`).
+        ``values`` alone (with the RNGs) tells whether it changed since the early copy,
+        which is cheaper than capturing it all again."""
+        self._take_arrived()
         self._done = step
-        payload = _dumps(rank_state)
-        self.memory.keep_own(step, payload)
         self._boundary_versions = self._versions()
-        if self._sent_for == step:
-            self._late = payload != self._sent
-        final = payload if self._sent_for != step or self._late else b""
-        self._final_out.copy_(torch.frombuffer(
-            bytearray(_HEAD.pack(step, len(final), _FINAL)), dtype=torch.uint8))
-        sends = [dist.isend(self._final_out, self._next, group=self.group, tag=_STEP_END)]
-        if final:
-            sends.append(dist.isend(torch.frombuffer(bytearray(final), dtype=torch.uint8),
-                                    self._next, group=self.group, tag=_STEP_END))
-        recv = dist.irecv(self._final_in, self._prev, group=self.group, tag=_STEP_END)
-        self._pending = [recv, *sends]
+        early = self._sent_for == step
+        same = early and _fingerprint(values) == self._sent_print
+        if same:
+            payload = self._sent
+        else:
+            payload = _dumps(rank_state())
+            self._late = self._late or early   # for good: a step that changed it after
+        self.memory.keep_own(step, payload)    # its optimizer step once may do so again
+        if same and not self._early_flags & _LATE:
+            return   # the early copy counts: nothing more to send (the common case)
+        self._sent_for = step
+        self.link.send(_STEP_END, step, _FINAL, payload)
 
-    def _collect(self, *, block: bool) -> None:
-        """The previous rank's last step-end message: keep its final state, if it sent one.
-        Not blocking (a life's end), only if it has arrived."""
-        import torch.distributed as dist
+    def _keep(self, frame: Frame) -> None:
+        # A late rank's early copy may be stale: only its step-end copy counts.
+        if frame.kind == _STEP_END or not frame.flags & _LATE:
+            self.memory.keep_partner(self.link.prev, frame.step, frame.payload)
 
-        if not self._pending:
-            return
-        recv, *sends = self._pending
-        if not block and not recv.is_completed():
-            self._pending = []
-            return
-        self._pending = []
-        recv.wait()
-        step, length, _ = _HEAD.unpack_from(self._final_in.numpy().tobytes())
-        if length:
-            data = torch.empty(length, dtype=torch.uint8)
-            dist.recv(data, self._prev, group=self.group, tag=_STEP_END)
-            self.memory.keep_partner(self._prev, step, data.numpy().tobytes())
-        for work in sends:
-            work.wait()
-
-    def _exchange(self, step: int, payload: bytes, flags: int) -> None:
-        """Send ``payload`` to the next rank and receive the previous rank's, both ways at
-        once, and wait for both."""
-        import torch.distributed as dist
-
-        room = RING_BYTES - _HEAD.size
-        head = _HEAD.pack(step, len(payload), flags) + payload[:room]
-        self._outbox[:len(head)] = torch.frombuffer(bytearray(head), dtype=torch.uint8)
-        sends = [dist.isend(self._outbox, self._next, group=self.group, tag=_EARLY)]
-        if len(payload) > room:
-            rest = torch.frombuffer(bytearray(payload[room:]), dtype=torch.uint8)
-            sends.append(dist.isend(rest, self._next, group=self.group, tag=_EARLY))
-        dist.recv(self._inbox, self._prev, group=self.group, tag=_EARLY)
-        # Kept before the sends are waited for: what arrived counts even when the next
-        # rank is the one that died.
-        got, length, their = _HEAD.unpack_from(self._inbox.numpy().tobytes()[:_HEAD.size])
-        data = self._inbox[_HEAD.size:_HEAD.size + min(length, room)].numpy().tobytes()
-        if length > room:
-            more = torch.empty(length - room, dtype=torch.uint8)
-            dist.recv(more, self._prev, group=self.group, tag=_EARLY)
-            data += more.numpy().tobytes()
-        if not their & _LATE:   # a late rank's early copy is stale: its final one counts
-            self.memory.keep_partner(self._prev, got, data)
-        for work in sends:
-            work.wait()
+    def _take_arrived(self) -> None:
+        """Keep the previous rank's messages that have arrived, without waiting."""
+        for frame in self.link.arrived(_STEP_END):
+            self._keep(frame)
 
     # --- the end of a life --------------------------------------------------------------
 
@@ -315,10 +280,14 @@ class PeerRing:
         """The life ends on an error after ``step`` steps: keep what the next life needs.
         ``state`` gives the tracked objects' state (references to live tensors)."""
         m = self.memory
-        try:
-            self._collect(block=False)
-        except Exception as exc:  # noqa: BLE001 - the group is failing: keep what arrived
-            log.debug("the last step-end message did not complete: %s", exc)
+        try:   # what the previous rank sent before the failure still counts
+            self._take_arrived()
+            for frame in self.link.arrived(_EARLY):
+                self._keep(frame)
+        except Exception as exc:  # noqa: BLE001 - the ring is failing: keep what arrived
+            log.debug("the ring's last messages: %s", exc)
+        finally:
+            self.link.close()
         m.save_point, m.last_commit_step = save_point, last_commit
         m.drop_replicated()
         if step not in m.own:
@@ -389,38 +358,42 @@ class PeerRing:
         self._done = self._sent_for = step
 
 
-@dataclass(frozen=True)
-class _Raw:
-    """A tensor as plain bytes: pickling a tensor embeds storage keys that differ from one
-    call to the next, and a step's two copies of a rank's state are compared as bytes."""
+def _tensor(dtype: str, shape: tuple[int, ...], data: bytes) -> torch.Tensor:
+    """A tensor back from what :class:`_Pickler` wrote."""
+    kind = getattr(torch, dtype)
+    flat = torch.frombuffer(bytearray(data), dtype=kind) if data else torch.empty(0, dtype=kind)
+    return flat.reshape(shape)
 
-    dtype: str
-    shape: tuple[int, ...]
-    data: bytes
+
+class _Pickler(pickle.Pickler):
+    """Pickles tensors as (dtype, shape, raw bytes): torch's own pickling embeds storage
+    keys that differ from one call to the next, and a step's two copies of a rank's state
+    are compared as bytes. No tree walk in Python: the RNG states alone are ~1,300 leaves."""
+
+    def reducer_override(self, obj: Any) -> Any:
+        if isinstance(obj, torch.Tensor):
+            flat = obj.detach().to("cpu").contiguous()
+            data = flat.reshape(-1).view(torch.uint8).numpy().tobytes() if flat.numel() else b""
+            return _tensor, (str(flat.dtype).removeprefix("torch."), tuple(flat.shape), data)
+        return NotImplemented
+
+
+def _fingerprint(values: Mapping[str, Any], rng: Mapping[str, Any] | None = None
+                 ) -> tuple[Any, ...]:
+    """Equal for two moments exactly when the RNGs (``rng``: as captured; None: now) and
+    ``values`` did not change between them."""
+    return rng_fingerprint(rng), pickle.dumps(dict(values), protocol=pickle.HIGHEST_PROTOCOL)
 
 
 def _dumps(rank_state: Mapping[str, Any]) -> bytes:
-    def raw(t: torch.Tensor) -> _Raw:
-        flat = t.detach().to("cpu").contiguous()
-        return _Raw(str(flat.dtype).removeprefix("torch."), tuple(flat.shape),
-                    flat.reshape(-1).view(torch.uint8).numpy().tobytes() if flat.numel()
-                    else b"")
-
-    return pickle.dumps(tree_map_tensors(raw, dict(rank_state)),
-                        protocol=pickle.HIGHEST_PROTOCOL)
+    out = io.BytesIO()
+    _Pickler(out, protocol=pickle.HIGHEST_PROTOCOL).dump(dict(rank_state))
+    return out.getvalue()
 
 
 def _loads(payload: bytes) -> dict[str, Any]:
-    def tensor(leaf: Any) -> Any:
-        if not isinstance(leaf, _Raw):
-            return leaf
-        dtype = getattr(torch, leaf.dtype)
-        flat = torch.frombuffer(bytearray(leaf.data), dtype=dtype) if leaf.data else \
-            torch.empty(0, dtype=dtype)
-        return flat.reshape(leaf.shape)
-
     # A peer of this job, over its own group, as torch's object collectives do.
-    return tree_map_leaves(tensor, pickle.loads(payload))  # noqa: S301
+    return pickle.loads(payload)  # noqa: S301
 
 
 def tensor_versions(tracked: Mapping[str, Any]) -> Callable[[], int]:

@@ -40,8 +40,8 @@ __all__ = [
     "collect",
     "restore",
     "restore_rng",
+    "rng_fingerprint",
     "has_dtensor",
-    "tree_map_leaves",
     "tree_map_tensors",
     "weights_only_refusal",
     "tree_nbytes",
@@ -119,6 +119,26 @@ def capture_rng() -> dict[str, Any]:
             "cached_gaussian": float(cached),
         }
     return state
+
+
+def rng_fingerprint(captured: Mapping[str, Any] | None = None) -> tuple[Any, ...]:
+    """Something that compares equal exactly when no RNG that :func:`capture_rng` captures
+    has moved: of ``captured`` (what capture_rng returned), or of the RNGs now, at a
+    fraction of capture_rng's cost (no tensor of the numpy state, no copied CUDA states)."""
+    if captured is not None:
+        np_state = captured.get("numpy")
+        return (bytes(captured["torch_cpu"].numpy()), captured["python"],
+                tuple(bytes(s.numpy()) for s in captured.get("torch_cuda", ())),
+                None if np_state is None else (
+                    np_state["key"].numpy().astype("uint32").tobytes(), np_state["pos"],
+                    np_state["has_gauss"], np_state["cached_gaussian"]))
+    cuda = tuple(bytes(s.numpy()) for s in torch.cuda.get_rng_state_all()) \
+        if torch.cuda.is_initialized() else ()
+    np = _numpy()
+    now = np.random.get_state(legacy=True) if np is not None else None
+    return (bytes(torch.get_rng_state().numpy()), random.getstate(), cuda,
+            None if now is None else (now[1].tobytes(), int(now[2]), int(now[3]),
+                                      float(now[4])))
 
 
 def restore_rng(state: Mapping[str, Any]) -> None:
@@ -420,12 +440,6 @@ def tree_map_tensors(fn: Callable[[torch.Tensor], Any], tree: Any) -> Any:
     """A copy of ``tree``'s containers with ``fn`` applied to every tensor; other leaves
     are shared with the input, not copied."""
     return _map_tree(tree, lambda _key, t: fn(t), lambda x: x)
-
-
-def tree_map_leaves(fn: Callable[[Any], Any], tree: Any) -> Any:
-    """A copy of ``tree``'s containers with ``fn`` applied to every leaf that is not a
-    tensor; tensors are shared with the input."""
-    return _map_tree(tree, lambda _key, t: t, fn)
 
 
 def has_dtensor(tree: Any) -> bool:
