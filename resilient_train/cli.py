@@ -350,7 +350,7 @@ def _job_name(display_name: str | None) -> str:
 def _status(args: argparse.Namespace) -> int:
     from .launcher.events import Event
     from .launcher.messages import JobState
-    from .launcher.record import read_job
+    from .launcher.record import describe_recovery, read_job, read_recoveries
     from .launcher.jobrecord import launcher_alive
 
     try:
@@ -396,6 +396,17 @@ def _status(args: argparse.Namespace) -> int:
                 free = f"(+{r['uncounted_restarts']} maintenance or with a peer)"
             print(f"  {replica:16} {r['status']:9} restarts {r['restarts']} {free}"
                   f"  exit codes {codes}")
+    # One line per recovery: what it restored, from where, and what it cost. A record
+    # written before job.json had them: read from the workers' telemetry.
+    recoveries = job.get("recoveries")
+    if recoveries is None:
+        job_dir = args.job_dir.parent if args.job_dir.is_file() else args.job_dir
+        try:
+            recoveries = read_recoveries(job_dir, job)
+        except (OSError, KeyError, TypeError, ValueError):
+            recoveries = []   # the rest of the record is still worth printing
+    for n, rec in enumerate(recoveries, 1):
+        print(describe_recovery(n, rec, job.get("create_time")))
     if args.events:
         for e in map(Event.from_json, job.get("events", [])):
             print(f"  +{e.elapsed_s:9.3f}s  {e.message}")

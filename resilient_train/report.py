@@ -8,6 +8,8 @@ From ``JOB_DIR/job.json`` and the telemetry every worker life wrote (telemetry.p
   retries, ticks for checkpoint saves; hover titles give exact times and messages;
 - the goodput breakdown as a stacked bar;
 - each fault with what it cost (how long training stalled, how many steps were redone);
+- each recovery: the step restored, where each rank's state came from, the bytes read per
+  storage tier and how long it took (the record's ``recoveries``);
 - every event.
 
 No network, no script, no plotting library: the page is HTML, CSS and SVG only. Every
@@ -32,7 +34,16 @@ from typing import Any
 
 from .goodput import redone_steps
 from .launcher.events import Event, EventKind, decision_summary, epoch, iso
-from .launcher.record import JOB_FILE, mask_command, read_job, telemetry_prefixes
+from .launcher.record import (
+    JOB_FILE,
+    fault_words,
+    format_bytes,
+    mask_command,
+    read_job,
+    read_recoveries,
+    source_counts,
+    telemetry_prefixes,
+)
 from .telemetry import LifeTelemetry, Segment, read_life
 from .text import format_duration
 
@@ -798,6 +809,53 @@ def _faults_section(faults: Sequence[_Fault], costs: Sequence[_Cost], has_teleme
     return "\n".join(out)
 
 
+def _recoveries_section(recoveries: Sequence[Mapping[str, Any]], created: float) -> str:
+    out = ["<h2>Recoveries</h2>"]
+    if not recoveries:
+        out.append('<p class="note">No recovery: no rank restored state after the job\'s '
+                   'first start (or the script does not report restores).</p>')
+        return "\n".join(out)
+    out.append('<p class="note">One row per re-forming of the process group or job retry '
+               '(attempt, generation): the step every rank restored (the lowest), the steps '
+               'computed again, the slowest rank\'s restore time, where each rank\'s state '
+               'came from, the bytes read per storage tier, and why a faster tier could not '
+               'serve a rank.</p>')
+    out.append('<table id="recoveries"><tr><th class="num">#</th><th class="num">time</th>'
+               '<th class="num">attempt</th><th class="num">gen</th><th>after</th>'
+               '<th class="num">step</th><th class="num">steps lost</th>'
+               '<th class="num">seconds</th><th>ranks</th><th>read</th><th>why not faster</th>'
+               '</tr>')
+    for n, rec in enumerate(recoveries, 1):
+        t = epoch(rec.get("at"))
+        when = "\u2013" if t is None else _at(t - created)
+        lost = rec.get("steps_lost")
+        secs = rec.get("seconds")
+        ranks = []
+        for r in rec.get("ranks") or []:
+            source = str(r.get("source"))
+            if r.get("from_rank") is not None:
+                source += f" (rank {r.get('from_rank')})"
+            nbytes = sum(int(b or 0) for b in (r.get("bytes_read") or {}).values())
+            took = "" if r.get("seconds") is None else f", {float(r['seconds']):.2f} s"
+            ranks.append(f'{_esc(r.get("replica"))}: {_esc(source)}, '
+                         f'{_esc(format_bytes(nbytes))}{_esc(took)}')
+        read = ", ".join(f"{tier} {format_bytes(float(b or 0))}"
+                         for tier, b in (rec.get("bytes_read") or {}).items())
+        why = "<br/>".join(_esc(f"{r.get('replica')}: {r.get('reason')}")
+                           for r in rec.get("ranks") or [] if r.get("reason"))
+        out.append(f'<tr><td class="num">{n}</td><td class="num">{_esc(when)}</td>'
+                   f'<td class="num">{_esc(rec.get("attempt"))}</td>'
+                   f'<td class="num">{_esc(rec.get("generation"))}</td>'
+                   f'<td>{_esc(fault_words(rec.get("fault")))}</td>'
+                   f'<td class="num">{_esc(rec.get("step"))}</td>'
+                   f'<td class="num">{_esc("?" if lost is None else lost)}</td>'
+                   f'<td class="num">{_esc("?" if secs is None else f"{float(secs):.2f}")}</td>'
+                   f'<td>{_esc(source_counts(rec))}<br/>{"<br/>".join(ranks)}</td>'
+                   f'<td>{_esc(read)}</td><td>{why}</td></tr>')
+    out.append("</table>")
+    return "\n".join(out)
+
+
 def _events_section(events: Sequence[Event]) -> str:
     out = ["<h2>Events</h2>",
            ('<table><tr><th class="num">time</th><th class="num">attempt</th><th>replica</th>'
@@ -863,6 +921,7 @@ def render_report(job: Mapping[str, Any],
         f'<div class="svgwrap">{timeline}</div>',
         _goodput_section(job.get("goodput")),
         _faults_section(faults, costs, bool(segments.get(primary))),
+        _recoveries_section(job.get("recoveries") or [], created),
         _events_section(events),
         (f'<p class="note">From {_esc(job.get("job_dir") or JOB_FILE)}, last updated '
          f'{_esc(job.get("update_time") or "-")}; written by <code>resilient-train report'
@@ -892,6 +951,8 @@ def write_report(job_dir: str | Path, out: str | Path | None = None) -> Path:
     if not isinstance(job, dict):
         raise ReportError(f"{job_dir / JOB_FILE} is not a job record (not a JSON object)")
     try:
+        if "recoveries" not in job:   # a record written before job.json had them
+            job = {**job, "recoveries": read_recoveries(job_dir, job)}
         replicas = _replicas(job, _events(job), {})
         page = render_report(job, read_telemetry(job_dir, replicas))
     except (KeyError, TypeError, ValueError) as exc:

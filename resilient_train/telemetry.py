@@ -8,7 +8,8 @@ worker writes two files there:
   a few hundred nanoseconds, no system call, and the page outlives the process: after a
   SIGKILL the launcher still reads the exact last step;
 - ``PREFIX.jsonl``: rare events, one JSON object per line: a training *segment* closed (at
-  an in-process recovery), a save and its blocking time, a commit.
+  an in-process recovery), a save and its blocking time, a commit, a *restore* (where the
+  rank's state came from, per life or re-forming: :class:`Restore`).
 
 A segment is one stretch of training: it starts after a restore (``first_step`` = the step
 restored, 0 for a fresh start) and ends when the process dies or the group re-forms.
@@ -206,10 +207,54 @@ class Telemetry:
 
 # --- the launcher's side ------------------------------------------------------------------
 
+# The storage tiers a restore reads from, fastest first (the order every reader shows them).
+RESTORE_TIERS = ("peer", "node-local", "persistent")
+RESTORE_SOURCES = (*RESTORE_TIERS, "none")   # "none": a fresh start, nothing restored
+
+
+@dataclass(frozen=True)
+class Restore:
+    """One ``restore`` event: where a rank's state came from at the start of a life (or
+    of an in-process re-forming of the group)."""
+
+    t: float                   # when the event was written (epoch seconds)
+    step: int                  # the step restored; 0 = a fresh start
+    source: str                # one of RESTORE_SOURCES (another string is kept as it is)
+    from_rank: int | None      # "peer": the rank that sent the replicated state
+    generation: int            # the process group's generation of this life
+    seconds: float | None      # how long the restore took on this rank; None: not said
+    bytes_read: tuple[tuple[str, int], ...]   # (tier, bytes), RESTORE_TIERS first
+    reason: str                # why a faster tier could not be used; "" when it could
+
+    @property
+    def read(self) -> dict[str, int]:
+        """``bytes_read`` as a dict: every tier of RESTORE_TIERS, 0 when not read."""
+        return {**dict.fromkeys(RESTORE_TIERS, 0), **dict(self.bytes_read)}
+
+    @classmethod
+    def from_json(cls, rec: dict[str, Any]) -> Restore:
+        """From an event line; only ``t`` is required: a field left out reads as not said
+        (step 0, source "none", generation 0, seconds None, no bytes, no reason).
+        Raises ValueError, TypeError or KeyError for a line it cannot read."""
+        raw = rec.get("bytes_read") or {}
+        if not isinstance(raw, dict):
+            raise TypeError(f"bytes_read is {type(raw).__name__}, not an object")
+        tiers = [t for t in RESTORE_TIERS if t in raw] + sorted(set(raw) - set(RESTORE_TIERS))
+        from_rank, seconds = rec.get("from_rank"), rec.get("seconds")
+        return cls(t=float(rec["t"]), step=int(rec.get("step") or 0),
+                   source=str(rec.get("source") or "none"),
+                   from_rank=None if from_rank is None else int(from_rank),
+                   generation=int(rec.get("generation") or 0),
+                   seconds=None if seconds is None else float(seconds),
+                   bytes_read=tuple((str(t), int(raw[t] or 0)) for t in tiers),
+                   reason=str(rec.get("reason") or ""))
+
+
 @dataclass(frozen=True)
 class LifeTelemetry:
     segments: tuple[Segment, ...]
     saves: tuple[tuple[float, int, float], ...]   # (time, step, blocking_s)
+    restores: tuple[Restore, ...] = ()            # in the order written
 
 
 def _open_segment(prefix: str | os.PathLike[str]) -> Segment | None:
@@ -236,24 +281,78 @@ def read_step(prefix: str | os.PathLike[str]) -> int | None:
     return None if seg is None else seg.last_step
 
 
-def read_life(prefix: str | os.PathLike[str]) -> LifeTelemetry:
-    """The segments and saves one worker life reported; empty when it reported nothing."""
-    segments: list[Segment] = []
-    saves: list[tuple[float, int, float]] = []
-    try:
-        lines = Path(f"{prefix}.jsonl").read_text(encoding="utf-8").splitlines()
-    except FileNotFoundError:
-        lines = []
-    for line in lines:
+class LifeReader:
+    """One life's event log, read incrementally: each :meth:`update` parses only the lines
+    appended since the last one, so a launcher can follow a long job's logs (thousands of
+    saves) every second for the cost of a stat and a short read."""
+
+    def __init__(self, prefix: str | os.PathLike[str]) -> None:
+        self.prefix = Path(prefix)
+        self._reset()
+
+    def _reset(self) -> None:
+        self._offset = 0          # bytes of the log parsed so far (whole lines only)
+        self._segments: list[Segment] = []
+        self._saves: list[tuple[float, int, float]] = []
+        self._restores: list[Restore] = []
+
+    def update(self, *, final: bool = False) -> bool:
+        """Parse what was appended; True when a segment or a restore was (saves change no
+        recovery, so they do not count). ``final``: the writer is gone, so a last line
+        without its newline is parsed too (a SIGKILL may cut the newline alone)."""
+        path = f"{self.prefix}.jsonl"
         try:
-            rec = json.loads(line)
-        except ValueError:
-            continue   # a line cut by a SIGKILL
-        if rec.get("kind") == "segment":
-            segments.append(Segment(**{k: rec[k] for k in Segment.__dataclass_fields__}))
-        elif rec.get("kind") == "save":
-            saves.append((float(rec["t"]), int(rec["step"]), float(rec["blocking_s"])))
-    seg = _open_segment(prefix)
-    if seg is not None:   # a segment still open when the process ended
-        segments.append(seg)
-    return LifeTelemetry(tuple(segments), tuple(saves))
+            size = os.stat(path).st_size
+            if size < self._offset:   # the log was replaced: read it again from the start
+                self._reset()
+            if size == self._offset:
+                return False
+            with open(path, "rb") as f:
+                f.seek(self._offset)
+                data = f.read(size - self._offset)
+        except FileNotFoundError:
+            return False
+        # A live writer may be mid-line: leave an unterminated tail for the next call.
+        end = len(data) if final else data.rfind(b"\n") + 1
+        self._offset += end
+        changed = False
+        for raw in data[:end].splitlines():
+            changed |= self._parse(raw)
+        return changed
+
+    def _parse(self, raw: bytes) -> bool:
+        try:
+            rec = json.loads(raw.decode("utf-8", errors="replace"))
+            kind = rec.get("kind") if isinstance(rec, dict) else None
+            if kind == "segment":
+                self._segments.append(Segment(**{k: rec[k] for k in Segment.__dataclass_fields__}))
+            elif kind == "save":
+                self._saves.append((float(rec["t"]), int(rec["step"]), float(rec["blocking_s"])))
+            elif kind == "restore":
+                self._restores.append(Restore.from_json(rec))
+            else:
+                return False
+        except (ValueError, TypeError, KeyError) as exc:
+            # A line cut by a SIGKILL, or one this version cannot read: skip it, never fail
+            # the launcher or a report over one line.
+            if raw.strip():
+                log.debug("%s.jsonl: skipped a line (%s): %.80r", self.prefix, exc, raw)
+            return False
+        return kind != "save"
+
+    def life(self) -> LifeTelemetry:
+        """What was parsed so far, plus the segment still open in the progress record
+        (read now: it is the exact last step even of a SIGKILLed life)."""
+        segments = list(self._segments)
+        seg = _open_segment(self.prefix)
+        if seg is not None:
+            segments.append(seg)
+        return LifeTelemetry(tuple(segments), tuple(self._saves), tuple(self._restores))
+
+
+def read_life(prefix: str | os.PathLike[str]) -> LifeTelemetry:
+    """The segments, saves and restores one worker life reported; empty when it reported
+    nothing. A line cut short (a SIGKILL mid-write) or missing a required field is skipped."""
+    reader = LifeReader(prefix)
+    reader.update(final=True)
+    return reader.life()

@@ -1,9 +1,10 @@
 """What a launch leaves behind while it runs: ``job.json``, the launcher's event lines, the
-failure log the workers read for the observed MTBF, and, at the end, the goodput.
+failure log the workers read for the observed MTBF, the recoveries (from the workers'
+restore events) and, at the end, the goodput.
 
 :meth:`JobRecord.flush` is the supervision loop's one call, after each step: it prints the
-events recorded since the last call, rewrites ``job.json`` (atomically) and keeps
-``telemetry/failures.json`` current. :func:`launcher_alive` is the reader's side: whether
+events recorded since the last call, rewrites ``job.json`` (atomically) when they or the
+recoveries changed, and keeps ``telemetry/failures.json`` current. :func:`launcher_alive` is the reader's side: whether
 the launcher that writes a record still runs.
 """
 
@@ -18,16 +19,29 @@ from pathlib import Path
 from typing import Any
 
 from ..goodput import account
-from ..telemetry import read_life, write_failures
+from ..telemetry import LifeReader, read_life, write_failures
 from .chaos import UnfiredFault
 from .job import JobMachine
 from .programs import PoolProgram
-from .record import JOB_FILE, failures_path, mask_command, telemetry_prefixes, write_json_atomic
+from .record import (
+    JOB_FILE,
+    TelemetryLife,
+    failures_path,
+    job_recoveries,
+    mask_command,
+    telemetry_lives,
+    telemetry_prefixes,
+    write_json_atomic,
+)
 from .resources import process_start_time
 
 __all__ = ["JobRecord", "job_spec", "launcher_alive"]
 
 log = logging.getLogger(__name__)
+
+# How often a running job's telemetry is looked at for new restores: a directory listing
+# and a stat per life, well within the loop's one wake-up a second.
+TELEMETRY_CHECK_S = 1.0
 
 
 def job_spec(pools: Sequence[tuple[str, int]], listed_only: Sequence[tuple[str, int]],
@@ -71,12 +85,18 @@ class JobRecord:
         # Lets `status` tell a live job from the record of a launcher that was killed.
         self._launcher = {"pid": os.getpid(), "host": socket.gethostname(),
                           "started": process_start_time(os.getpid())}
+        self._readers: dict[Path, tuple[TelemetryLife, LifeReader]] = {}
+        self._recoveries: list[dict[str, Any]] = []
+        self._checked = -float("inf")   # monotonic time of the last telemetry check
+        self._events_seen = -1          # len(events) at the last recoveries computed
 
     def flush(self, force: bool = False) -> None:
         """Print the new events and rewrite the record; nothing when nothing happened
-        (unless ``force``)."""
+        (unless ``force``): no new event and no change in the recoveries."""
         events = self._machine.events
-        if self._printed == len(events) and not force:
+        new_events = self._printed != len(events)
+        recovered = self._update_recoveries(force or new_events or self._machine.state.terminal)
+        if not new_events and not recovered and not force:
             return
         for event in events[self._printed:]:
             when = self._machine.create_time + event.elapsed_s
@@ -91,6 +111,7 @@ class JobRecord:
         rec = m.to_record()
         rec["job_spec"] = self._spec
         rec["job_dir"] = str(self.job_dir)
+        rec["recoveries"] = list(self._recoveries)
         if m.state.terminal:
             rec["goodput"] = self._goodput()
             if self._chaos:
@@ -98,6 +119,41 @@ class JobRecord:
             rec["exit_status"] = self._exit_status()   # the launcher's, as run() returns it
         rec["launcher"] = dict(self._launcher)
         return rec
+
+    def _update_recoveries(self, now: bool) -> bool:
+        """Follow the workers' telemetry (every TELEMETRY_CHECK_S, or ``now``) and recompute
+        the recoveries when a restore or a segment was written or an event recorded; True
+        when they changed. Reading is incremental: a long job's logs are not read again."""
+        mono = time.monotonic()
+        if not now and mono - self._checked < TELEMETRY_CHECK_S:
+            return False
+        self._checked = mono
+        try:
+            changed = False
+            for life in telemetry_lives(self.job_dir):
+                if life.prefix not in self._readers:
+                    self._readers[life.prefix] = (life, LifeReader(life.prefix))
+                    changed = True
+            # Once the job is over no worker writes: a last line that lost only its
+            # newline to a SIGKILL is read too.
+            final = self._machine.state.terminal
+            for _, reader in self._readers.values():
+                changed |= reader.update(final=final)
+            events = self._machine.events
+            if not changed and self._events_seen == len(events):
+                return False
+            self._events_seen = len(events)
+            first = self._machine.attempts[0].number if self._machine.attempts else 1
+            recoveries = job_recoveries(
+                ((life, reader.life()) for life, reader in self._readers.values()),
+                events, self._machine.config.replicas, first)
+        except OSError as exc:   # the record keeps what it had; training is unaffected
+            log.warning("cannot read the workers' telemetry: %s", exc)
+            return False
+        if recoveries == self._recoveries:
+            return False
+        self._recoveries = recoveries
+        return True
 
     def _update_failure_log(self) -> None:
         """Keep telemetry/failures.json current: the one channel by which every worker,

@@ -1,14 +1,22 @@
-"""The job directory: ``job.json`` (rewritten atomically) and per-attempt log paths."""
+"""The job directory: ``job.json`` (rewritten atomically), per-attempt log paths, and the
+record's ``recoveries`` (from the workers' restore events, :func:`job_recoveries`)."""
 
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import tempfile
-from collections.abc import Iterable
+from collections import Counter
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from ..telemetry import RESTORE_SOURCES, RESTORE_TIERS, LifeTelemetry, Restore, read_life
+from ..text import first_line
+from .events import Event, EventKind, epoch, iso
 
 JOB_FILE = "job.json"
 SECRET_MASK = "***"
@@ -70,6 +78,40 @@ def telemetry_prefixes(job_dir: Path, replica: str) -> list[Path]:
     return sorted(found)
 
 
+@dataclass(frozen=True)
+class TelemetryLife:
+    """One worker life's telemetry files, as their path names it."""
+
+    attempt: int
+    replica: str
+    restart: int
+    prefix: Path
+
+
+_ATTEMPT_DIR = re.compile(r"attempt-([0-9]+)")
+_LIFE_FILE = re.compile(r"(.+)\.restart-([0-9]+)\.(?:jsonl|progress)")
+
+
+def telemetry_lives(job_dir: Path) -> list[TelemetryLife]:
+    """Every life of every replica that reported, by attempt, replica and restart."""
+    found: dict[Path, TelemetryLife] = {}
+    try:
+        attempts = list(os.scandir(job_dir / "telemetry"))
+    except FileNotFoundError:
+        return []
+    for att in attempts:
+        m = _ATTEMPT_DIR.fullmatch(att.name)
+        if m is None or not att.is_dir():
+            continue
+        for entry in os.scandir(att.path):
+            f = _LIFE_FILE.fullmatch(entry.name)
+            if f is not None:
+                prefix = Path(att.path) / f"{f.group(1)}.restart-{f.group(2)}"
+                found[prefix] = TelemetryLife(int(m.group(1)), f.group(1), int(f.group(2)),
+                                              prefix)
+    return sorted(found.values(), key=lambda life: (life.attempt, life.replica, life.restart))
+
+
 def processes_path(job_dir: Path) -> Path:
     """The worker processes the launcher has seen, one line each (watchdog.py reads it)."""
     return job_dir / "processes.log"
@@ -124,3 +166,182 @@ def mask_command(argv: Iterable[str]) -> list[str]:
         out.append(arg)
     return out
 
+
+
+# --- recoveries: what each one restored, from where, and what it cost ---------------------
+#
+# Every rank writes one restore event per life, or per in-process re-forming of the group
+# (telemetry.Restore). The events of one recovery share (attempt, generation): the
+# survivors re-form at the next generation and a restarted worker joins it, and a job retry
+# starts again at generation 0 of the next attempt.
+
+# Decisions after which the job goes on: each is followed by a restore somewhere.
+_ENDING_ACTIONS = frozenset({"succeed_job", "worker_done", "fail_job"})
+_FAULT_KINDS = (EventKind.FAULT, EventKind.STOCKOUT, EventKind.TIMEOUT)
+
+
+def job_recoveries(lives: Iterable[tuple[TelemetryLife, LifeTelemetry]],
+                   events: Sequence[Event], replicas: Sequence[str],
+                   first_attempt: int = 1) -> list[dict[str, Any]]:
+    """The record's ``recoveries``: one entry per (attempt, generation) with restore events,
+    in time order, except the job's first start (generation 0 of ``first_attempt`` with
+    every rank starting afresh). Pure: the telemetry and the events in, JSON out."""
+    groups: dict[tuple[int, int], dict[str, Restore]] = {}
+    reached: list[tuple[float, int]] = []   # (when a segment reached its last step, step)
+    for life, tel in lives:
+        for r in tel.restores:
+            group = groups.setdefault((life.attempt, r.generation), {})
+            old = group.get(life.replica)
+            # A replica restarted twice within one generation: the later restore is the
+            # one it trained from.
+            if old is None or r.t >= old.t:
+                group[life.replica] = r
+        reached += [(s.t_last if s.t_last is not None else s.t_start, s.last_step)
+                    for s in tel.segments]
+    rank = {name: i for i, name in enumerate(replicas)}
+    out: list[dict[str, Any]] = []
+    used: set[int] = set()
+    prev_at, prev_fault_t = -math.inf, None
+    for (attempt, generation), by_replica in sorted(
+            groups.items(), key=lambda kv: (min(r.t for r in kv[1].values()), kv[0])):
+        at = min(r.t for r in by_replica.values())
+        if attempt == first_attempt and generation == 0 and all(
+                r.source == "none" for r in by_replica.values()):
+            prev_at = at   # the job's first start: no recovery, but a bound for the next
+            continue
+        fault_i = _fault_before(events, at, prev_at, prev_fault_t, used)
+        step = min(r.step for r in by_replica.values())
+        # The steps lost: the furthest any rank got between the previous restore and this
+        # one (a SIGKILLed life's last step is in its progress record), less the step
+        # restored. Earlier stretches do not count: they were lost or kept before.
+        before = [s for t, s in reached if prev_at < t <= at]
+        seconds = [r.seconds for r in by_replica.values() if r.seconds is not None]
+        ranks = [{"replica": name, "source": r.source, "from_rank": r.from_rank,
+                  "step": r.step, "bytes_read": r.read,
+                  "seconds": None if r.seconds is None else round(r.seconds, 3),
+                  "reason": r.reason}
+                 for name, r in sorted(by_replica.items(),
+                                       key=lambda kv: (rank.get(kv[0], len(rank)), kv[0]))]
+        total: Counter[str] = Counter(dict.fromkeys(RESTORE_TIERS, 0))
+        for r in by_replica.values():
+            total.update(r.read)
+        out.append({
+            "attempt": attempt, "generation": generation, "at": iso(at),
+            "fault": None if fault_i is None else _fault_json(events, fault_i),
+            "step": step,
+            "steps_lost": max(0, max(before) - step) if before else None,
+            "seconds": round(max(seconds), 3) if seconds else None,
+            "ranks": ranks, "bytes_read": dict(total),
+        })
+        prev_at = at
+        prev_fault_t = None if fault_i is None else events[fault_i].time
+    return out
+
+
+def _fault_before(events: Sequence[Event], at: float, prev_at: float,
+                  prev_fault_t: float | None, used: set[int]) -> int | None:
+    """The index of the event that caused the recovery at ``at``: the first decision to go
+    on (restart a worker, retry the job) not already put down to an earlier recovery, after
+    the previous recovery's own cause (or start). Two faults can come before the first
+    restore of either, so the bound is the previous cause, not the previous restore.
+    Without such a decision (the group re-formed on its own), a fault noted since the
+    previous recovery; None when there is neither."""
+    lower = prev_at if prev_fault_t is None else prev_fault_t
+    for i, e in enumerate(events):
+        if (e.kind is EventKind.DECISION and e.action is not None
+                and e.action not in _ENDING_ACTIONS and lower < e.time <= at and i not in used):
+            used.add(i)
+            return i
+    for i, e in enumerate(events):
+        if e.kind in _FAULT_KINDS and prev_at < e.time <= at and i not in used:
+            used.add(i)
+            return i
+    return None
+
+
+def _fault_json(events: Sequence[Event], i: int) -> dict[str, Any]:
+    """The cause as the record's ``fault``: the replica (None: the whole job), its cause
+    and exit status, the action taken, and the launcher's line for it."""
+    e = events[i]
+    shown = e
+    exit_code: int | None = None
+    if e.kind is EventKind.DECISION and e.replica is not None:
+        # The exit this decision answers was recorded just before it.
+        for prev in reversed(events[:i]):
+            if prev.kind is EventKind.DECISION:
+                break
+            if prev.kind is EventKind.EXITED and prev.replica == e.replica:
+                shown, exit_code = prev, prev.exit_code
+                break
+    return {"time": iso(shown.time), "replica": e.replica, "cause": e.cause or e.fault,
+            "exit_code": exit_code,
+            "action": e.action if e.kind is EventKind.DECISION else None,
+            "message": shown.message}
+
+
+def read_recoveries(job_dir: Path, job: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """:func:`job_recoveries` of a job directory, for a record written without them."""
+    events = [Event.from_json(e) for e in job.get("events") or []]
+    attempts = job.get("attempts") or []
+    first = int(attempts[0].get("attempt", 1)) if attempts else 1
+    return job_recoveries(((life, read_life(life.prefix)) for life in telemetry_lives(job_dir)),
+                          events, [str(r) for r in job.get("replicas") or []], first)
+
+
+def format_bytes(n: float) -> str:
+    """A byte count for a person: 0 B, 512 B, 5.0 MiB, 1.2 GiB."""
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024:
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} TiB"
+
+
+def fault_words(fault: Mapping[str, Any] | None) -> str:
+    """A recovery's cause for a person: ``workerpool1-0 node_loss (exit 137)``,
+    ``workerpool1-0 exit 134``, ``internal (whole job)``."""
+    if not fault:
+        return "no fault recorded"
+    cause, code, replica = fault.get("cause"), fault.get("exit_code"), fault.get("replica")
+    if not replica:
+        return f"{cause or 'a fault'} (whole job)"
+    what = str(replica)
+    if cause and cause != "exit":
+        what += f" {cause}"
+    if code is not None:
+        what += f" (exit {code})" if cause and cause != "exit" else f" exit {code}"
+    return what
+
+
+def source_counts(rec: Mapping[str, Any]) -> str:
+    """Where the ranks' states came from: ``peer x2, persistent x1``."""
+    counts = Counter(str(r.get("source")) for r in rec.get("ranks") or [])
+    order = [s for s in RESTORE_SOURCES if s in counts] + sorted(set(counts) - set(RESTORE_SOURCES))
+    return ", ".join(f"{s} x{counts[s]}" for s in order)
+
+
+def describe_recovery(n: int, rec: Mapping[str, Any], created: str | None = None) -> str:
+    """One line for a person about the record's ``recoveries`` entry number ``n``."""
+    when = ""
+    t, t0 = epoch(rec.get("at")), epoch(created)
+    if t is not None and t0 is not None:
+        when = f" at +{t - t0:.1f} s"
+    lost = rec.get("steps_lost")
+    line = (f"recovery {n}: attempt {rec.get('attempt')} gen {rec.get('generation')}{when} "
+            f"after {fault_words(rec.get('fault'))}: step {rec.get('step')}")
+    if lost is not None:
+        line += f" (lost {lost} step{'' if lost == 1 else 's'})"
+    if rec.get("seconds") is not None:
+        line += f" in {rec['seconds']:.2f} s"
+    line += f"; ranks from {source_counts(rec) or 'nowhere'}"
+    read = rec.get("bytes_read") or {}
+    if read:
+        line += "; read " + ", ".join(f"{tier} {format_bytes(float(b or 0))}"
+                                      for tier, b in read.items())
+    reasons = list(dict.fromkeys(first_line(r.get("reason")) for r in rec.get("ranks") or []
+                                 if r.get("reason")))
+    if reasons:
+        line += "; why not faster: " + " / ".join(reasons[:3])
+        if len(reasons) > 3:
+            line += f" / +{len(reasons) - 3} more"
+    return line
