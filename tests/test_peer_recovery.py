@@ -199,6 +199,14 @@ def test_three_workers_lose_a_worker_their_primary_and_an_attempt_and_end_bitwis
                     for r in range(3)}, (read, files)
     assert all(e["reason"].startswith("no process holds training state in memory")
                for e in retried), retried
+    # The job record says the same, one entry per recovery, with what caused it.
+    recoveries = job["recoveries"]
+    assert [(r["attempt"], r["generation"]) for r in recoveries] == [(1, 1), (1, 2), (2, 0)]
+    assert [r["fault"]["cause"] for r in recoveries] == ["node_loss", "node_loss", "internal"]
+    for r in recoveries[:2]:
+        assert {x["source"] for x in r["ranks"]} == {"peer"}
+        assert r["bytes_read"]["persistent"] == 0 and r["steps_lost"] <= 1, r
+    assert {x["source"] for x in recoveries[2]["ranks"]} == {"persistent"}
     for name in ("model.pt", "rank0.pt", "rank1.pt", "rank2.pt"):
         want = torch.load(clean / "output" / "model" / name, weights_only=True)
         got = torch.load(faulted / "output" / "model" / name, weights_only=True)

@@ -12,10 +12,15 @@ the block map are metadata that O_DIRECT does not make durable).
 Where the file system refuses O_DIRECT, ``DirectWriter.open`` returns None and the caller
 keeps its buffered path; a refusal met later (EINVAL on the first direct write) switches
 that file to buffered ``pwrite`` without failing the save.
+
+``PartBuffers`` is the memory bound of a parallel upload to an object store
+(storage_fsspec.py): a fixed number of equal buffers that the writer fills and the upload
+threads give back, so a file of any size costs at most ``count * size`` bytes of memory.
 """
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
 import logging
@@ -61,6 +66,74 @@ class _BufferPool:
             if len(free) < self._keep:
                 free.append(buf)
                 return
+        buf.close()
+
+
+class PartBuffers:
+    """At most ``count`` buffers of ``size`` bytes each: ``take`` blocks while all are out,
+    ``give`` returns one. The memory bound of one parallel upload, whatever the file's size.
+
+    Buffers are anonymous mappings made on first need (pages are faulted in only where
+    written: a small file costs what it holds) and unmapped by ``close``; none are kept
+    between files, so a process that saves to an object store holds no memory for it
+    between saves. ``in_use`` and ``peak`` count buffers out at once (tests check the bound
+    with them, benchmarks report them).
+    """
+
+    def __init__(self, count: int, size: int) -> None:
+        if count < 1 or size < 1:
+            raise ValueError(f"PartBuffers needs count >= 1 and size >= 1, got {count} "
+                             f"and {size}")
+        self.count = count
+        self.size = size
+        self._free: list[mmap.mmap] = []
+        self._made = 0
+        self.in_use = 0
+        self.peak = 0
+        self._closed = False
+        self._cond = threading.Condition()
+
+    def take(self) -> mmap.mmap:
+        """A free buffer; waits while ``count`` are out."""
+        with self._cond:
+            while not self._free and self._made >= self.count:
+                if self._closed:
+                    raise ValueError("take from closed PartBuffers")
+                self._cond.wait()
+            if self._closed:
+                raise ValueError("take from closed PartBuffers")
+            if self._free:
+                buf = self._free.pop()
+            else:
+                buf = mmap.mmap(-1, self.size)  # page-aligned, zero pages until written
+                self._made += 1
+            self.in_use += 1
+            self.peak = max(self.peak, self.in_use)
+            return buf
+
+    def give(self, buf: mmap.mmap) -> None:
+        with self._cond:
+            self.in_use -= 1
+            if self._closed:
+                _unmap(buf)
+            else:
+                self._free.append(buf)
+            self._cond.notify()
+
+    def close(self) -> None:
+        """Unmap the free buffers now; those still out are unmapped when given back."""
+        with self._cond:
+            self._closed = True
+            free, self._free = self._free, []
+            self._cond.notify_all()
+        for buf in free:
+            _unmap(buf)
+
+
+def _unmap(buf: mmap.mmap) -> None:
+    # A request that was cancelled may still hold a view of it (BufferError): then the
+    # mapping goes when that view does.
+    with contextlib.suppress(BufferError):
         buf.close()
 
 

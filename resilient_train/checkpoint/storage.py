@@ -38,7 +38,8 @@ here in the base class; the public methods are defined only here.
               ``_delete``
     optional  ``_upload`` (a spooled file; default: read it, ``_write``), ``_open_read``
               (default: the whole file in memory), ``_open_write`` (default: spool to
-              ``TMPDIR``, then ``_upload``), ``_makedirs``, ``_fsync_dir``,
+              ``TMPDIR``, then ``_upload``), ``_read_parts`` (a sized file in several
+              requests, each retried; default: one ``_read``), ``_makedirs``, ``_fsync_dir``,
               ``_rename_dir`` (atomic_rename only), ``_check_readable``, error wording
 
 Retries
@@ -438,6 +439,10 @@ class Storage:
     def read_bytes(self, rel: str) -> bytes:
         rel = _check_rel(rel, allow_root=False)
         size = self.size(rel) if self._sized_reads else None
+        if size is not None:
+            parts = self._read_parts(rel, size)
+            if parts is not None:
+                return parts
 
         def read(t: Budget) -> bytes:
             data = self._read(rel, t)
@@ -660,6 +665,11 @@ class Storage:
     def _open_read(self, rel: str) -> BinaryIO:
         """An open, seekable reader (the caller closes it); it may retry on its own."""
         return io.BytesIO(self.read_bytes(rel))
+
+    def _read_parts(self, rel: str, size: int) -> bytes | None:
+        """The whole file of ``size`` bytes read as several requests (ranged reads in
+        parallel), each retried with ``_retrying``; None: read it as one (``_read``)."""
+        return None
 
     def _size(self, rel: str, budget: Budget) -> int:
         raise NotImplementedError
