@@ -26,6 +26,7 @@ _LAZY = {
     "CheckpointManager": "resilient_train.checkpoint.manager",
     "CheckpointOptions": "resilient_train.checkpoint.manager",
     "RetentionPolicy": "resilient_train.checkpoint.retention",
+    "NodeLocal": "resilient_train.checkpoint.nodelocal",
     "every_n_steps": "resilient_train.checkpoint.policy",
     "auto_interval": "resilient_train.checkpoint.policy",
     "never": "resilient_train.checkpoint.policy",
@@ -50,7 +51,7 @@ __all__ = [
     "EXIT_PERMANENT", "EXIT_TRANSIENT", "ClusterInfo", "ClusterSpecError", "PermanentError",
     "TransientError", "exit_permanent", "exit_transient", "record",
     # loaded on first use (see _LAZY)
-    "CheckpointManager", "CheckpointOptions", "RetentionPolicy", "RetryOptions", "every", "auto_interval",
+    "CheckpointManager", "CheckpointOptions", "NodeLocal", "RetentionPolicy", "RetryOptions", "every", "auto_interval",
     "every_n_steps", "never", "main", "Context", "MainOptions", "ResumableLoader", "ResumableSampler", "init_distributed", "DistributedGroup", "DistributedOptions",
     "is_peer_failure", "BarrierTimeoutError", "PeerRestartedError", "PrimaryUnreachableError",
     "RendezvousTimeoutError",
@@ -58,6 +59,7 @@ __all__ = [
 
 if TYPE_CHECKING:
     from .checkpoint.manager import CheckpointManager, CheckpointOptions
+    from .checkpoint.nodelocal import NodeLocal
     from .checkpoint.policy import auto_interval, every, every_n_steps, never
     from .checkpoint.retention import RetentionPolicy
     from .checkpoint.storage import RetryOptions

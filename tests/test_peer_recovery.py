@@ -21,7 +21,18 @@ from resilient_train.checkpoint.directory import (
     rank_file,
     read_manifest,
 )
-from resilient_train.checkpoint.peers import NoPlan, Plan, Report, _dumps, _loads, plan
+from resilient_train.checkpoint.recovery_plan import (
+    NoPlan,
+    Plan,
+    Report,
+    plan,
+)
+from resilient_train.checkpoint.recovery_plan import (
+    dumps_rank_state as _dumps,
+)
+from resilient_train.checkpoint.recovery_plan import (
+    loads_rank_state as _loads,
+)
 from resilient_train.checkpoint.state import capture_rng
 from resilient_train.checkpoint.storage import Storage
 from resilient_train.ports import free_port
@@ -32,7 +43,7 @@ HERE = Path(__file__).resolve().parent
 def report(rank: int, replicated: int | None = None, own: tuple[int, ...] = (),
            held: tuple[int, ...] = (), world: int = 3, last_commit: int | None = None,
            why_not: str = "") -> Report:
-    return Report(rank=rank, replicated=replicated, own=own,
+    return Report(rank=rank, replicated=() if replicated is None else (replicated,), own=own,
                   held_for=(rank - 1) % world if held else None, held=held,
                   last_commit=last_commit, save_point=(last_commit, 0.0), why_not=why_not)
 

@@ -28,7 +28,7 @@ import os
 import time
 from collections.abc import Callable, Mapping
 from concurrent.futures import Future
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from .. import __version__
@@ -53,9 +53,12 @@ from .directory import (
 )
 from .loader import load_verified
 from .manifest import MARKER, CheckpointError, CorruptCheckpointError, FileEntry, Manifest
-from .peers import PeerMemory, PeerRing, Plan, plan, process_memory, tensor_versions
+from .nodelocal import LocalTier, NodeLocal
+from .peers import PeerMemory, PeerRing, process_memory, tensor_versions
 from .policy import FOUR_HOURS, SavePolicy, check_ceiling, every_n_steps, with_ceiling
+from .recovery_plan import Plan, carry_out, loads_rank_state, plan
 from .retention import RetentionPolicy
+from .ringlink import RingLink, local_address, new_token
 from .scheduler import Decision, SaveScheduler, SigtermWatch
 from .sharded import SHARDED_LAYOUT, ShardedCheckpointer
 from .state import (
@@ -69,7 +72,6 @@ from .state import (
     tree_on_host,
 )
 from .storage import RetryOptions, Storage, format_bytes, free_bytes, is_no_space
-from .ringlink import RingLink, local_address, new_token
 from .transfer import broadcast_tree
 from .writer import RankFailure, StepWriter, WriterThread
 
@@ -108,6 +110,9 @@ class CheckpointOptions:
     # Multi-rank: after a peer's restart, restore from the survivors' memory instead of
     # storage (peers.py). Costs each step a ring message of about 15 KB.
     peer_recovery: bool = True
+    # A node-local tier (the machine's own disk) that every save goes to, the persistent
+    # one (the checkpoint directory) every NodeLocal.persistent_every-th save: nodelocal.py.
+    node_local: NodeLocal | None = None
 
     def __post_init__(self) -> None:
         n = self.save_every_steps
@@ -133,6 +138,8 @@ class CheckpointOptions:
         expect_type("CheckpointOptions.async_save", self.async_save, bool, "True or False")
         expect_type("CheckpointOptions.peer_recovery", self.peer_recovery, bool,
                     "True or False")
+        expect_type("CheckpointOptions.node_local", self.node_local, (NodeLocal, NONE),
+                    "rt.NodeLocal(...), or None (no node-local tier)")
         expect_type("CheckpointOptions.save_on_sigterm", self.save_on_sigterm, (bool, NONE),
                     "True or False or None")
         if not _positive_seconds(self.sync_interval_s):
@@ -173,6 +180,8 @@ class RestoreRecord:
         if self.source == "peer":
             return "its own memory" if self.from_rank is None else \
                 f"rank {self.from_rank}'s memory"
+        if self.source == "node-local" and self.from_rank is not None:
+            return f"rank {self.from_rank}'s node-local disk"
         return self.where or self.source
 
 
@@ -259,6 +268,12 @@ class CheckpointManager:
                                   tensor_versions(self._tracked))
         self.last_restore: RestoreRecord | None = None
         self._read_bytes = 0   # checkpoint bytes this rank read from storage in a restore
+        self._local: LocalTier | None = None
+        if self.options.node_local is not None:
+            self._local = LocalTier(self.options.node_local, self.rank, self.world_size,
+                                    self._token, self._sharded)
+        self._since_persistent = 0   # saves to the node-local tier only, since the last
+        self._local_received = 0     # bytes of a node-local restore sent by other ranks
 
     # --- what the scheduler owns, where callers read it ----------------------------------
 
@@ -310,16 +325,25 @@ class CheckpointManager:
         if decision is Decision.SKIP:
             return False
         emergency = decision is Decision.EMERGENCY
-        self.save(step, blocking=emergency)
+        # An emergency save goes to storage too: a preemption or a maintenance event takes
+        # the machine, and its disk, with it.
+        self.save(step, blocking=emergency, persistent=emergency or self._persistent_due())
         if emergency:
             self._exit_after_emergency(step)
         return True
 
     # --- saving -----------------------------------------------------------------------
 
-    def save(self, step: int, *, blocking: bool | None = None) -> None:
+    def _persistent_due(self) -> bool:
+        """Whether a save by policy goes to the persistent tier as well as the node-local
+        one (always, without a node-local tier)."""
+        node_local = self.options.node_local
+        return node_local is None or self._since_persistent + 1 >= node_local.persistent_every
+
+    def save(self, step: int, *, blocking: bool | None = None, persistent: bool = True) -> None:
         """Save now. Blocks only for the in-memory snapshot unless ``blocking`` (or the
-        options) say otherwise; one save is in flight at a time."""
+        options) say otherwise; one save is in flight at a time. With a node-local tier
+        the save goes there, and to the persistent tier too when ``persistent``."""
         if self._error is not None:
             self._raise_error()
         t_wait = time.perf_counter()
@@ -327,7 +351,10 @@ class CheckpointManager:
         t0 = time.perf_counter()
         tree: dict[str, Any] = {"rank": self._rank_state()}
         staged = self._sharded.stage(self._tracked)  # None unless some state is a DTensor
-        if self.is_primary:
+        local = self._local is not None and staged is None   # sharded: persistent only
+        persistent = persistent or not local
+        self._since_persistent = 0 if persistent else self._since_persistent + 1
+        if self.is_primary or local:   # a machine's copy holds the replicated state too
             tree["shared"] = staged.replicated if staged else collect(self._tracked)
         check_weights_only(tree, where="checkpoint state")
         sync = bool(blocking or (blocking is None and not self.options.async_save))
@@ -341,11 +368,12 @@ class CheckpointManager:
         self.last_blocking_s = time.perf_counter() - t0
         self.scheduler.saving(step)
         if sync:
-            self._write(step, snap)
+            self._write_tiers(step, snap, local, persistent)
             # Deleting old steps (about 1 s per GB on some disks) need not block anyone.
             self._inflight = self._thread.submit(self._apply_retention)
         else:
-            self._inflight = self._thread.submit(self._write_guarded, step, snap)
+            self._inflight = self._thread.submit(self._write_guarded, step, snap, local,
+                                                 persistent)
         self.scheduler.measured(time.perf_counter() - t_wait)   # a blocking save: its write too
 
     def _rank_state(self) -> dict[str, Any]:
@@ -414,14 +442,43 @@ class CheckpointManager:
         cls = TransientCheckpointError if transient else CheckpointError
         raise cls(f"a background checkpoint save failed: {err}") from err
 
-    def _write_guarded(self, step: int, snap: dict[str, Any]) -> None:
+    def _write_guarded(self, step: int, snap: dict[str, Any], local: bool,
+                       persistent: bool) -> None:
         try:
-            self._write(step, snap)
+            self._write_tiers(step, snap, local, persistent)
         except BaseException as exc:  # never lost: raised on the next call
             log.error("checkpoint save of step %d failed: %s", step, exc)
             self._error = exc
             return
         self._apply_retention()
+
+    def _write_tiers(self, step: int, snap: dict[str, Any], local: bool,
+                     persistent: bool) -> None:
+        """The node-local copy first (fast, and what a restart in place reads), then the
+        persistent one. A node-local failure only warns: the persistent tier still holds
+        every step it committed, and the next save tries the machine's disk again."""
+        if local:
+            assert self._local is not None
+            try:
+                self._local.write(step, snap, self._partner_copy(step))
+            except Exception as exc:
+                log.warning("node-local checkpoint of step %d in %s failed: %s", step,
+                            self._local.url, exc)
+        if persistent:
+            if not self.is_primary:
+                snap = {k: v for k, v in snap.items() if k != "shared"}   # the primary's
+            self._write(step, snap)
+
+    def _partner_copy(self, step: int) -> tuple[int, dict[str, Any]] | None:
+        """The previous rank's per-rank state of ``step`` that the peer ring gave this
+        rank, for its machine's copy (nodelocal.py); None without one."""
+        if self._ring is None:
+            return None
+        memory = self._ring.memory
+        payload = memory.partner.get(step)
+        if payload is None or memory.partner_rank is None:
+            return None
+        return memory.partner_rank, loads_rank_state(payload)
 
     def _write(self, step: int, snap: dict[str, Any]) -> None:
         """Write this rank's files, hand them to the primary, which commits the step or,
@@ -529,7 +586,7 @@ class CheckpointManager:
         try:
             prune(self.storage, self.options.retention, protect=self._token,
                   known_good=self.known.good(), known_bad=self.known.bad)
-        except Exception as exc:  # noqa: BLE001 - retried after the next commit
+        except Exception as exc:
             log.warning("retention after a commit failed (retried after the next one): %s", exc)
 
     # --- restoring --------------------------------------------------------------------
@@ -553,6 +610,18 @@ class CheckpointManager:
             if self.is_primary:   # one line for the job: every rank computed the same plan
                 (log.warning if the_plan.survivors else log.info)(
                     "restoring from %s, not from peers: %s", self.storage.url, reason)
+        if self._local is not None:
+            local_step, why, from_rank = self._restore_from_local(strict)
+            if local_step is not None:
+                self.last_restore = RestoreRecord(
+                    step=local_step, source="node-local", seconds=time.perf_counter() - t0,
+                    bytes_read=_bytes_read(node_local=self._local.read_bytes,
+                                           peer=self._local_received),
+                    from_rank=from_rank, reason=reason, where=self._local.url)
+                if self._ring is not None:
+                    self._ring.restored(local_step, self._rank_state())
+                return local_step
+            reason = f"{reason}; {why}" if reason else why
         step = self._restore_from_storage(strict)
         self.last_restore = RestoreRecord(
             step=step or 0, source="persistent" if step else "none",
@@ -577,6 +646,53 @@ class CheckpointManager:
                  got.step, "memory" if got.from_rank is None else f"rank {got.from_rank}",
                  format_bytes(got.nbytes))
         return got.step
+
+    def _restore_from_local(self, strict: bool) -> tuple[int | None, str, int | None]:
+        """Restore from the machines' disks by plan (recovery_plan.py): the newest step, no
+        older than the persistent tier's newest, that every rank can get from its own disk
+        or another rank's: (step, "", the rank that sent the replicated state, if one did);
+        else (None, why not, None)."""
+        assert self._local is not None
+        newest = None
+        if self.is_primary:
+            committed = [i.step for i in scan(self.storage, with_manifest=False) if i.committed]
+            newest = max(committed, default=None)
+        newest = self.coord.broadcast(newest)
+        reports = self.coord.allgather(self._local.report(newest))
+        bad: set[int] = set()
+        while True:
+            usable = [replace(r, replicated=tuple(s for s in r.replicated if s not in bad),
+                              own=tuple(s for s in r.own if s not in bad),
+                              held=tuple(s for s in r.held if s not in bad)) for r in reports]
+            the_plan = plan(usable, where="on the machines' disks",
+                            nothing="a fresh start, or every machine is new")
+            if not isinstance(the_plan, Plan):
+                return None, the_plan.reason, None
+            holdings = None
+            try:
+                holdings = self._local.holdings(the_plan)
+            except CorruptCheckpointError as exc:
+                log.warning("node-local checkpoint of step %d does not verify: %s",
+                            the_plan.step, exc)
+            # Every rank's part verified, or this step is skipped by all (no transfer waits
+            # on a rank that could not read its part).
+            if self.coord.allreduce_max([0 if holdings else 1])[0] or holdings is None:
+                bad.add(the_plan.step)
+                continue
+            got = carry_out(the_plan, holdings, self.rank,
+                            getattr(self.coord, "main_group", None))
+            break
+        self._load_trees(got.shared, got.mine, strict)
+        self.last_commit_step = newest
+        self.scheduler.restored(got.step, holdings.created or time.time())
+        self._local_received = got.nbytes
+        # Saves since the last persistent one, alike on every rank (they must all decide
+        # alike which save goes to storage): the holder's, up to the restored step.
+        self._since_persistent = sum(1 for s in reports[the_plan.holder].own
+                                     if s <= got.step and (newest is None or s > newest))
+        log.info("restored checkpoint step %d from the node-local tier%s", got.step,
+                 "" if got.from_rank is None else f" (rank {got.from_rank}'s machine)")
+        return got.step, "", got.from_rank
 
     def _restore_from_storage(self, strict: bool) -> int | None:
         self._read_bytes = 0
@@ -636,7 +752,7 @@ class CheckpointManager:
             nested = [] if infos else [
                 child for child in self.storage.listdir("")[:20]
                 if any(parse_step(g) is not None for g in self.storage.listdir(child)[:50])]
-        except Exception as exc:  # noqa: BLE001 - a hint must not fail the restore
+        except Exception as exc:
             log.debug("could not look for hints in %s: %s", self.storage.url, exc)
             infos, nested = [], []
         if infos:

@@ -33,7 +33,6 @@ travels as a weights-only skeleton and raw tensors (transfer.py).
 
 from __future__ import annotations
 
-import io
 import logging
 import pickle
 from collections.abc import Callable, Mapping
@@ -42,9 +41,9 @@ from typing import Any
 
 import torch
 
+from .recovery_plan import Plan, Recovered, Report, carry_out, dumps_rank_state
 from .ringlink import Frame, RingLink
 from .state import rng_fingerprint
-from .transfer import Moved, recv_tree, send_tree
 
 log = logging.getLogger(__name__)
 
@@ -91,101 +90,26 @@ def _trim(kept: dict[int, bytes]) -> None:
         del kept[step]
 
 
+class MemoryHoldings:
+    """A :class:`PeerMemory` as the plan's source of state."""
+
+    def __init__(self, memory: PeerMemory) -> None:
+        self.memory = memory
+
+    def shared(self, step: int) -> dict[str, Any]:
+        assert self.memory.replicated_step == step and self.memory.replicated is not None
+        return self.memory.replicated
+
+    def rank_state(self, rank: int, step: int, own: bool) -> bytes:
+        return self.memory.own[step] if own else self.memory.partner[step]
+
+
 _MEMORY = PeerMemory()
 
 
 def process_memory() -> PeerMemory:
     """The process's one PeerMemory: a life hands over to it, the next one restores."""
     return _MEMORY
-
-
-@dataclass(frozen=True)
-class Report:
-    """What one rank can contribute to a restore; plain values (all-gathered)."""
-
-    rank: int
-    replicated: int | None              # the step whose replicated state it holds
-    own: tuple[int, ...]                # steps of its own per-rank state
-    held_for: int | None                # the rank whose per-rank state it holds
-    held: tuple[int, ...]               # ... for these steps
-    last_commit: int | None
-    save_point: tuple[int | None, float]
-    why_not: str
-
-
-@dataclass(frozen=True)
-class Plan:
-    """Every rank computes the same plan from the same reports."""
-
-    step: int
-    holder: int                          # sends the replicated state to who lacks it
-    needs_state: tuple[int, ...]         # ranks that receive it
-    rank_source: Mapping[int, int]       # rank -> who gives it its per-rank state
-    save_point: tuple[int | None, float]
-    last_commit: int | None
-
-
-@dataclass(frozen=True)
-class NoPlan:
-    """Why memory cannot serve this restore; ``survivors``: some rank held state (so the
-    fallback to storage loses work, worth a warning)."""
-
-    reason: str
-    survivors: bool
-
-
-def plan(reports: list[Report]) -> Plan | NoPlan:
-    """The newest step all ranks can restore from memory, or why not (in one line)."""
-    survivors = [r for r in reports if r.replicated is not None or r.own]
-    if not survivors:
-        return NoPlan("no process holds training state in memory (a fresh start, or every "
-                      "process restarted)", survivors=False)
-    newest_commit = max((r.last_commit for r in reports if r.last_commit is not None),
-                        default=None)
-    steps = sorted({r.replicated for r in reports if r.replicated is not None}, reverse=True)
-    if not steps:
-        whys = "; ".join(f"rank {r.rank}: {r.why_not}" for r in survivors if r.why_not)
-        return NoPlan(f"no survivor holds the replicated state of a step boundary "
-                      f"({whys or 'none'})", survivors=True)
-    why = ""
-    for step in steps:
-        if newest_commit is not None and newest_commit > step:
-            why = why or (f"a newer checkpoint (step {newest_commit}) is committed than the "
-                          f"newest step in memory ({step})")
-            break
-        source: dict[int, int] = {}
-        for r in reports:
-            if step in r.own:
-                source[r.rank] = r.rank
-                continue
-            givers = [h.rank for h in reports if h.held_for == r.rank and step in h.held]
-            if not givers:
-                why = why or (f"no survivor holds rank {r.rank}'s RNG and values of step "
-                              f"{step} (the rank and the one after it were both lost, or it "
-                              f"died before sending them)")
-                break
-            source[r.rank] = min(givers)
-        else:
-            holders = [r for r in reports if r.replicated == step]
-            holder = min(holders, key=lambda r: r.rank)
-            return Plan(step=step, holder=holder.rank,
-                        needs_state=tuple(r.rank for r in reports if r.replicated != step),
-                        rank_source=source, save_point=holder.save_point,
-                        last_commit=newest_commit)
-    return NoPlan(why, survivors=True)
-
-
-@dataclass(frozen=True)
-class Recovered:
-    """What a peer restore gives this rank: the trees the manager loads."""
-
-    step: int
-    shared: dict[str, Any]
-    mine: dict[str, Any]
-    from_rank: int | None          # who sent the replicated state (None: held it itself)
-    nbytes: int                    # bytes received from peers
-    save_point: tuple[int | None, float]
-    last_commit: int | None
 
 
 class PeerRing:
@@ -234,7 +158,7 @@ class PeerRing:
                 # state after the optimizer step is known at its end.
                 self._early_flags = _LATE if self._late or self._sent_for is None else 0
                 state = rank_state()
-                self._sent_for, self._sent = step, _dumps(state)
+                self._sent_for, self._sent = step, dumps_rank_state(state)
                 self._sent_print = _fingerprint(state["values"], state["rng"])
                 self.link.send(_EARLY, step, self._early_flags, self._sent)
                 self._keep(self.link.receive(_EARLY))
@@ -255,7 +179,7 @@ class PeerRing:
         if same:
             payload = self._sent
         else:
-            payload = _dumps(rank_state())
+            payload = dumps_rank_state(rank_state())
             self._late = self._late or early   # for good: a step that changed it after
         self.memory.keep_own(step, payload)    # its optimizer step once may do so again
         if same and not self._early_flags & _LATE:
@@ -284,7 +208,7 @@ class PeerRing:
             self._take_arrived()
             for frame in self.link.arrived(_EARLY):
                 self._keep(frame)
-        except Exception as exc:  # noqa: BLE001 - the ring is failing: keep what arrived
+        except Exception as exc:
             log.debug("the ring's last messages: %s", exc)
         finally:
             self.link.close()
@@ -303,79 +227,28 @@ class PeerRing:
 
     def report(self) -> Report:
         m = self.memory
-        return Report(rank=self.rank, replicated=m.replicated_step, own=tuple(sorted(m.own)),
+        return Report(rank=self.rank, replicated=() if m.replicated_step is None else
+                      (m.replicated_step,), own=tuple(sorted(m.own)),
                       held_for=m.partner_rank, held=tuple(sorted(m.partner)),
                       last_commit=m.last_commit_step, save_point=m.save_point,
                       why_not=m.why_not)
 
     def restore(self, the_plan: Plan) -> Recovered:
-        """Carry out ``the_plan``: every rank calls it (the transfers are point to point,
-        in one order on every rank, so no two ranks wait on each other)."""
-        import torch.distributed as dist
-
+        """Carry out ``the_plan`` from this process's memory (every rank calls it)."""
         m, step = self.memory, the_plan.step
-        shared: dict[str, Any] | None = m.replicated if m.replicated_step == step else None
-        from_rank: int | None = None
-        nbytes = 0
-        for dst in the_plan.needs_state:
-            if self.rank == the_plan.holder:
-                assert shared is not None
-                send_tree(shared, dst, self.group)
-            elif self.rank == dst:
-                moved: Moved = recv_tree(the_plan.holder, self.group)
-                shared, from_rank, nbytes = moved.tree, the_plan.holder, moved.nbytes
-        mine_bytes: bytes | None = m.own.get(step)
-        for rank, giver in sorted(the_plan.rank_source.items()):
-            if giver == rank:
-                continue
-            if self.rank == giver:
-                data = m.partner[step]
-                dist.send(torch.tensor([len(data)], dtype=torch.int64), rank, group=self.group)
-                dist.send(torch.frombuffer(bytearray(data), dtype=torch.uint8), rank,
-                          group=self.group)
-            elif self.rank == rank:
-                size = torch.zeros(1, dtype=torch.int64)
-                dist.recv(size, giver, group=self.group)
-                buf = torch.empty(int(size.item()), dtype=torch.uint8)
-                dist.recv(buf, giver, group=self.group)
-                mine_bytes = buf.numpy().tobytes()
-                nbytes += len(mine_bytes)
-        assert shared is not None and mine_bytes is not None
-        mine = _loads(mine_bytes)
+        got = carry_out(the_plan, MemoryHoldings(m), self.rank, self.group)
         # This rank's memory now describes the restored step.
-        m.own = {step: mine_bytes}
+        m.own = {step: got.mine_bytes}
         m.partner = {s: d for s, d in m.partner.items() if s == step}
         m.drop_replicated()
-        return Recovered(step=step, shared=shared, mine=mine, from_rank=from_rank,
-                         nbytes=nbytes, save_point=the_plan.save_point,
-                         last_commit=the_plan.last_commit)
+        return got
 
     def restored(self, step: int, rank_state: Mapping[str, Any]) -> None:
         """Step ``step`` is loaded (from peers or storage): the boundary that a hand-over
         before the next step compares to, with this rank's state as it is now."""
-        self.memory.keep_own(step, _dumps(rank_state))
+        self.memory.keep_own(step, dumps_rank_state(rank_state))
         self._boundary_versions = self._versions()
         self._done = self._sent_for = step
-
-
-def _tensor(dtype: str, shape: tuple[int, ...], data: bytes) -> torch.Tensor:
-    """A tensor back from what :class:`_Pickler` wrote."""
-    kind = getattr(torch, dtype)
-    flat = torch.frombuffer(bytearray(data), dtype=kind) if data else torch.empty(0, dtype=kind)
-    return flat.reshape(shape)
-
-
-class _Pickler(pickle.Pickler):
-    """Pickles tensors as (dtype, shape, raw bytes): torch's own pickling embeds storage
-    keys that differ from one call to the next, and a step's two copies of a rank's state
-    are compared as bytes. No tree walk in Python: the RNG states alone are ~1,300 leaves."""
-
-    def reducer_override(self, obj: Any) -> Any:
-        if isinstance(obj, torch.Tensor):
-            flat = obj.detach().to("cpu").contiguous()
-            data = flat.reshape(-1).view(torch.uint8).numpy().tobytes() if flat.numel() else b""
-            return _tensor, (str(flat.dtype).removeprefix("torch."), tuple(flat.shape), data)
-        return NotImplemented
 
 
 def _fingerprint(values: Mapping[str, Any], rng: Mapping[str, Any] | None = None
@@ -383,17 +256,6 @@ def _fingerprint(values: Mapping[str, Any], rng: Mapping[str, Any] | None = None
     """Equal for two moments exactly when the RNGs (``rng``: as captured; None: now) and
     ``values`` did not change between them."""
     return rng_fingerprint(rng), pickle.dumps(dict(values), protocol=pickle.HIGHEST_PROTOCOL)
-
-
-def _dumps(rank_state: Mapping[str, Any]) -> bytes:
-    out = io.BytesIO()
-    _Pickler(out, protocol=pickle.HIGHEST_PROTOCOL).dump(dict(rank_state))
-    return out.getvalue()
-
-
-def _loads(payload: bytes) -> dict[str, Any]:
-    # A peer of this job, over its own group, as torch's object collectives do.
-    return pickle.loads(payload)  # noqa: S301
 
 
 def tensor_versions(tracked: Mapping[str, Any]) -> Callable[[], int]:

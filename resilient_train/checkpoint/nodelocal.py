@@ -1,0 +1,212 @@
+"""The node-local tier: frequent saves to the replica's own machine, rare ones to storage.
+
+A save to the persistent tier (``gs://``, a ``/gcs/`` mount, a shared path) costs what
+the link allows; a save to the machine's own disk (a local SSD, ``/dev/shm``) costs what
+the disk allows, often ten times less, but is lost with the machine. With
+``CheckpointOptions(node_local=NodeLocal(...))`` every save goes to the node-local tier
+and every ``persistent_every``-th save (and every emergency and final save) to the
+persistent tier too, from the same host snapshot. One policy says when to save, this says
+where.
+
+Every rank writes its own complete copy into its machine's directory (the replicated
+state, its own per-rank file, and the copy of the previous rank's per-rank state that the
+peer ring gave it: so a rank whose machine was replaced still finds its RNG streams and
+values on its neighbour's disk) and commits it on its own (a manifest, then the marker,
+as on any storage: commit.py): a machine's disk is its own, so nothing needs agreeing to
+commit. Agreement comes at the restore, by the plan peer recovery uses
+(recovery_plan.py): the newest step, no older than the persistent tier's newest, whose
+replicated state some machine has and whose per-rank state every rank can get; ranks
+that lack it receive it from the ranks that have it. Otherwise the restore reads storage.
+
+Where the platform keeps a machine's disk (a worker restarted in place after its own exit,
+or with ``restartJobOnWorkerRestart``) a restarted process resumes from here; where it
+does not (maintenance, node loss, preemption, a job retry: a new VM) its directory is
+empty and the restore falls back to peers or storage. Under ``resilient-train launch``
+the directory defaults to ``$RESILIENT_TRAIN_NODE_LOCAL_DIR/checkpoints``, which the
+launcher wipes exactly where the platform would (launcher/machines.py).
+
+Sharded (DTensor) state is saved to the persistent tier only, for now.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from .. import __version__
+from ..validate import NONE, expect_type
+from .commit import committer_for, remove_crashed_saves
+from .directory import (
+    SHARED_FILE,
+    list_files,
+    manifest_problems,
+    prune,
+    rank_file,
+    read_manifest,
+    scan,
+)
+from .loader import load_verified
+from .manifest import CheckpointError, CorruptCheckpointError, Manifest
+from .recovery_plan import Plan, Report, dumps_rank_state
+from .retention import RetentionPolicy
+from .sharded import ShardedCheckpointer
+from .storage import RetryOptions, Storage
+from .writer import StepWriter, write_torch_file
+
+log = logging.getLogger(__name__)
+
+NODE_LOCAL_DIR_ENV = "RESILIENT_TRAIN_NODE_LOCAL_DIR"   # set by the launcher
+
+
+@dataclass(frozen=True)
+class NodeLocal:
+    """Where and how often the node-local tier saves."""
+
+    # None: $RESILIENT_TRAIN_NODE_LOCAL_DIR/checkpoints (set by resilient-train launch).
+    directory: str | None = None
+    # Every N-th save also goes to the persistent tier (1: every save goes to both).
+    persistent_every: int = 10
+    keep_last: int = 1        # committed steps kept on the machine
+
+    def __post_init__(self) -> None:
+        expect_type("NodeLocal.directory", self.directory, (str, NONE),
+                    "a local path such as /dev/shm/ckpt or /mnt/localssd/ckpt, or None")
+        for name in ("persistent_every", "keep_last"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"NodeLocal.{name}={v!r}: expected a whole number >= 1")
+        if self.directory is not None and "://" in self.directory:
+            raise ValueError(f"NodeLocal.directory={self.directory!r} is a URL: the node-local "
+                             f"tier is the machine's own disk (a local path); the persistent "
+                             f"tier is the checkpoint directory")
+
+    def resolve(self, env: Mapping[str, str] | None = None) -> str:
+        env = os.environ if env is None else env
+        if self.directory:
+            return self.directory
+        base = env.get(NODE_LOCAL_DIR_ENV, "")
+        if not base:
+            raise ValueError(
+                f"NodeLocal(directory=None) takes the machine's local disk from "
+                f"{NODE_LOCAL_DIR_ENV}, which is not set (resilient-train launch sets it): "
+                f"give NodeLocal(directory='/dev/shm/ckpt') or another path on a local disk")
+        return os.path.join(base, "checkpoints")
+
+
+def partner_file(rank: int) -> str:
+    """The copy of ``rank``'s per-rank state on the next rank's machine."""
+    return f"peer-rank{rank:05d}.pt"
+
+
+class LocalTier:
+    """This rank's node-local directory: its saves, its committed steps, its restore."""
+
+    def __init__(self, options: NodeLocal, rank: int, world_size: int, token: str,
+                 sharded: ShardedCheckpointer) -> None:
+        self.options = options
+        self.rank, self.world_size = rank, world_size
+        self.storage = Storage(options.resolve(), retry=RetryOptions())
+        if not self.storage.is_local:
+            raise ValueError(f"the node-local tier {self.storage.url} is not on a local disk")
+        remove_crashed_saves(self.storage)   # only this rank writes here
+        self.committer = committer_for(self.storage, token)
+        self.writer = StepWriter(self.storage, sharded, rank=rank,
+                                 files_atomic=self.committer.files_atomic)
+        self._token = token
+        self.read_bytes = 0
+
+    @property
+    def url(self) -> str:
+        return self.storage.url
+
+    def write(self, step: int, snap: Mapping[str, Any],
+              partner: tuple[int, dict[str, Any]] | None = None) -> None:
+        """Write and commit ``snap`` (``shared`` and ``rank``) as ``step``, with
+        ``partner``'s (rank, per-rank state) when the ring gave one, then prune."""
+        work = self.committer.work_dir(step)
+        if self.committer.already_committed(work):
+            return
+        with self.committer.hold(work):
+            try:
+                files = self.writer.write(work, {k: snap[k] for k in ("shared", "rank")})
+                if partner is not None:
+                    name = partner_file(partner[0])
+                    files[name] = write_torch_file(self.storage, f"{work}/{name}", partner[1],
+                                                   atomic=self.committer.files_atomic)
+                self.committer.commit(work, Manifest(
+                    step=step, world_size=self.world_size, layout="replicated", files=files,
+                    library=f"resilient-train {__version__}"))
+            except BaseException:
+                self.committer.discard(work, transient=True)
+                raise
+        prune(self.storage, RetentionPolicy(keep_last=self.options.keep_last),
+              protect=self._token)
+
+    def report(self, persistent: int | None) -> Report:
+        """What this machine holds, for the plan: its committed steps no older than the
+        persistent tier's newest (``persistent``), with or without the partner's copy."""
+        prev = (self.rank - 1) % self.world_size
+        steps, held = [], []
+        for info in scan(self.storage, with_manifest=True):
+            if not info.committed or info.problems or \
+                    (persistent is not None and info.step < persistent):
+                continue
+            steps.append(info.step)
+            try:
+                if partner_file(prev) in read_manifest(self.storage, info.name, info.step).files:
+                    held.append(info.step)
+            except CheckpointError:
+                continue
+        return Report(rank=self.rank, replicated=tuple(steps), own=tuple(steps),
+                      held_for=prev if self.world_size > 1 else None, held=tuple(held),
+                      last_commit=persistent, save_point=(None, 0.0), why_not="")
+
+    def holdings(self, the_plan: Plan) -> LocalHoldings:
+        """Read and verify now what this rank gives in ``the_plan`` (so that a bad file
+        is found before any rank waits on a transfer); raises CorruptCheckpointError."""
+        self.read_bytes = 0
+        step = the_plan.step
+        gives_shared = self.rank not in the_plan.needs_state
+        gives = [o for o, g in the_plan.rank_source.items() if g == self.rank]
+        if not gives_shared and not gives:
+            return LocalHoldings(step, None, {}, 0.0)   # a new machine: receives it all
+        name = next(i.name for i in scan(self.storage, with_manifest=False)
+                    if i.committed and i.step == step)
+        manifest = read_manifest(self.storage, name, step)
+        problems = manifest_problems(manifest, set(list_files(self.storage, name)),
+                                     self.storage, name)
+        if problems:
+            raise CorruptCheckpointError(f"{self.storage.url_of(name)}: " + "; ".join(problems))
+
+        def load(fname: str) -> dict[str, Any]:
+            self.read_bytes += manifest.files[fname].size
+            return load_verified(self.storage, name, fname, manifest)
+
+        shared = load(SHARED_FILE) if gives_shared else None
+        states: dict[tuple[int, bool], bytes] = {}
+        for owner, giver in the_plan.rank_source.items():
+            if giver == self.rank:
+                own = owner == self.rank
+                tree = load(rank_file(owner) if own else partner_file(owner))
+                states[(owner, own)] = dumps_rank_state(tree)
+        return LocalHoldings(step, shared, states, manifest.created)
+
+
+@dataclass(frozen=True)
+class LocalHoldings:
+    """What this rank read from its disk for a plan (recovery_plan.Holdings)."""
+
+    step: int
+    shared_state: dict[str, Any] | None
+    states: Mapping[tuple[int, bool], bytes]
+    created: float
+
+    def shared(self, step: int) -> dict[str, Any]:
+        assert step == self.step and self.shared_state is not None
+        return self.shared_state
+
+    def rank_state(self, rank: int, step: int, own: bool) -> bytes:
+        return self.states[(rank, own)]

@@ -1,0 +1,148 @@
+"""The node-local tier (checkpoint/nodelocal.py): frequent saves to the machine's own disk,
+every K-th to the persistent tier, and a restore that takes the newest step every rank can
+get, from its own disk or a neighbour's, else from storage. Real files, real processes."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import resilient_train as rt
+from resilient_train.checkpoint.directory import SHARED_FILE
+from resilient_train.checkpoint.manifest import MARKER
+
+HERE = Path(__file__).resolve().parent
+
+
+def train(tmp: Path, steps: int, *, every: int = 3, final: bool = False
+          ) -> rt.CheckpointManager:
+    """A manager with a node-local tier (every save there, every 3rd to storage); restores,
+    trains ``steps`` steps saving each one, closes. Returns the (closed) manager."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(3, 3)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    mgr = rt.CheckpointManager(tmp / "persistent", options=rt.CheckpointOptions(
+        save_every_steps=1, async_save=False,
+        node_local=rt.NodeLocal(directory=str(tmp / "local"), persistent_every=every)))
+    mgr.track(model=model, optimizer=opt)
+    start = mgr.restore_latest() or 0
+    for step in range(start, start + steps):
+        model(torch.randn(2, 3)).sum().backward()
+        opt.step()
+        mgr.maybe_save(step + 1)
+    if final:
+        mgr.save(start + steps)   # a direct save goes to storage too
+    mgr.close()
+    return mgr
+
+
+def committed(root: Path) -> list[int]:
+    return sorted(int(p.name.split("-")[1]) for p in root.glob("step-*")
+                  if (p / MARKER).exists())
+
+
+def test_every_save_goes_to_the_machine_and_every_third_to_storage(tmp_path: Path) -> None:
+    train(tmp_path, 7)
+    assert committed(tmp_path / "persistent") == [3, 6]
+    assert committed(tmp_path / "local") == [7]          # keep_last=1 on the machine
+    files = {p.name for p in (tmp_path / "local").glob("step-*/*.pt")}
+    assert {SHARED_FILE, "rank-00000.pt"} <= files       # every rank's copy is complete
+
+
+def test_a_restart_on_the_same_machine_restores_from_its_disk(tmp_path: Path) -> None:
+    train(tmp_path, 7)
+    mgr = train(tmp_path, 0)
+    rec = mgr.last_restore
+    assert rec is not None and (rec.step, rec.source) == (7, "node-local")
+    assert rec.bytes_read["persistent"] == 0 and rec.bytes_read["node-local"] > 0
+
+
+def test_a_new_machine_restores_from_storage_and_says_why(tmp_path: Path) -> None:
+    train(tmp_path, 7)
+    shutil.rmtree(tmp_path / "local")                    # a new VM: its disk is empty
+    mgr = train(tmp_path, 0)
+    rec = mgr.last_restore
+    assert rec is not None and (rec.step, rec.source) == (6, "persistent")
+    assert "on the machines' disks" in rec.reason and rec.bytes_read["node-local"] == 0
+
+
+def test_a_corrupt_local_copy_falls_back_to_storage(tmp_path: Path, caplog) -> None:
+    train(tmp_path, 7)
+    shared = next((tmp_path / "local").glob(f"step-*/{SHARED_FILE}"))
+    data = bytearray(shared.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    shared.write_bytes(bytes(data))
+    mgr = train(tmp_path, 0)
+    assert mgr.last_restore is not None
+    assert (mgr.last_restore.step, mgr.last_restore.source) == (6, "persistent")
+    assert "node-local checkpoint of step 7 does not verify" in caplog.text
+
+
+def test_storage_newer_than_the_machine_wins(tmp_path: Path) -> None:
+    train(tmp_path, 7)
+    shutil.copytree(tmp_path / "local", tmp_path / "old-local")   # the machine at step 7
+    train(tmp_path, 2, final=True)                                 # storage: step 9
+    shutil.rmtree(tmp_path / "local")
+    shutil.copytree(tmp_path / "old-local", tmp_path / "local")   # a disk left behind
+    mgr = train(tmp_path, 0)
+    assert mgr.last_restore is not None
+    assert (mgr.last_restore.step, mgr.last_restore.source) == (9, "persistent")
+
+
+def test_node_local_options_say_what_is_wrong() -> None:
+    with pytest.raises(ValueError, match="is a URL"):
+        rt.NodeLocal(directory="gs://bucket/local")
+    with pytest.raises(ValueError, match="persistent_every=0"):
+        rt.NodeLocal(persistent_every=0)
+    with pytest.raises(ValueError, match="RESILIENT_TRAIN_NODE_LOCAL_DIR"):
+        rt.NodeLocal().resolve(env={})
+    assert rt.NodeLocal().resolve(env={"RESILIENT_TRAIN_NODE_LOCAL_DIR": "/x"}) == \
+        "/x/checkpoints"
+    with pytest.raises(TypeError, match="NodeLocal"):
+        rt.CheckpointOptions(node_local="/dev/shm")   # type: ignore[arg-type]
+
+
+def launch(tmp: Path, name: str, *args: str) -> tuple[dict, str, Path]:
+    job_dir = tmp / name
+    proc = subprocess.run(
+        [sys.executable, "-m", "resilient_train.cli", "launch", "--workers", "2",
+         "--job-dir", str(job_dir), *args, "--",
+         sys.executable, str(HERE / "workers" / "local_tier.py"), "80", "0.03"],
+        env=dict(os.environ, RESILIENT_TRAIN_QUOTA_DIR=str(tmp / "quota"),
+                 RESILIENT_TRAIN_FORM_TIMEOUT_S="15"),
+        cwd=tmp, capture_output=True, text=True, timeout=400)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-4000:]
+    return json.loads((job_dir / "job.json").read_text()), out, job_dir
+
+
+@pytest.mark.slow
+def test_every_worker_restarted_one_on_a_new_machine_resumes_from_the_others_disk(
+        tmp_path: Path) -> None:
+    # restartJobOnWorkerRestart: a node loss restarts every worker, so no process keeps
+    # anything in memory; the killed one's machine is new (its disk empty), the other's
+    # kept. Rank 1 gets the model from rank 0's disk, and its own RNG streams and values
+    # from the copy rank 0's disk holds for it: nothing is read from storage.
+    _, _, clean = launch(tmp_path, "clean")
+    job, out, faulted = launch(tmp_path, "faulted", "--restart-job-on-worker-restart",
+                               "--chaos", "kill:workerpool1-0@step37")
+    assert "workerpool1-0: restarted on a new VM" in out and "node-local disk" in out
+    [recovery] = job["recoveries"]
+    assert recovery["step"] == 35, recovery      # the last save before the kill
+    assert {r["source"] for r in recovery["ranks"]} == {"node-local"}, recovery
+    assert recovery["bytes_read"]["persistent"] == 0
+    assert "rank 1: resumed from step 35 (from rank 0's node-local disk)" in out
+    for name in ("model.pt", "rank0.pt", "rank1.pt"):
+        want = torch.load(clean / "output" / "model" / name, weights_only=True)
+        got = torch.load(faulted / "output" / "model" / name, weights_only=True)
+        if name == "model.pt":
+            assert all(torch.equal(want[k], got[k]) for k in want), name
+        else:
+            assert got["values"] == want["values"] and torch.equal(got["draws"], want["draws"])
