@@ -40,8 +40,9 @@ def test_parse_duration(text: str, seconds: float) -> None:
 def test_fault_kind_scope() -> None:
     replica = {k for k in FaultKind if k.targets_replica}
     assert replica == {FaultKind.KILL, FaultKind.MAINTENANCE, FaultKind.PREEMPT, FaultKind.OOM,
-                       FaultKind.HANG, FaultKind.SLOW}
+                       FaultKind.HANG, FaultKind.SLOW, FaultKind.WIPE, FaultKind.CORRUPT}
     assert {k for k in FaultKind if k.stalls} == {FaultKind.HANG, FaultKind.SLOW}
+    assert {k for k in FaultKind if k.tampers} == {FaultKind.WIPE, FaultKind.CORRUPT}
     assert {k for k in FaultKind if k.job_wide} == {FaultKind.STOCKOUT, FaultKind.INTERNAL}
 
 

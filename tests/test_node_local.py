@@ -146,3 +146,22 @@ def test_every_worker_restarted_one_on_a_new_machine_resumes_from_the_others_dis
             assert all(torch.equal(want[k], got[k]) for k in want), name
         else:
             assert got["values"] == want["values"] and torch.equal(got["draws"], want["draws"])
+
+
+def test_chaos_wipe_and_corrupt_hit_the_disk_a_restore_reads(tmp_path: Path, caplog) -> None:
+    from resilient_train.launcher.chaos import FaultKind, parse_chaos
+    from resilient_train.launcher.tamper import corrupt_newest_checkpoint, wipe_disk
+
+    spec = parse_chaos("corrupt:0@step36,wipe:workerpool1-0@20s")
+    assert [f.kind for f in spec.faults] == [FaultKind.CORRUPT, FaultKind.WIPE]
+    with pytest.raises(ValueError, match="duration applies only to hang and slow"):
+        parse_chaos("wipe:1@20s+5s")
+    train(tmp_path, 7)
+    hit = corrupt_newest_checkpoint(tmp_path)   # the newest committed step anywhere below
+    assert hit is not None and hit.parent.name == "step-000000000007", hit
+    mgr = train(tmp_path, 0)
+    assert mgr.last_restore is not None
+    assert (mgr.last_restore.step, mgr.last_restore.source) == (6, "persistent")
+    assert "node-local copy of step(s) 7 does not verify" in mgr.last_restore.reason
+    assert wipe_disk(tmp_path / "local") != [] and list((tmp_path / "local").iterdir()) == []
+    assert wipe_disk(tmp_path / "nowhere") == []

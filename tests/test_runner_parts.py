@@ -77,7 +77,8 @@ def test_each_fault_kind_names_the_cause_the_policy_sees() -> None:
         FaultKind.KILL: Cause.NODE_LOSS, FaultKind.MAINTENANCE: Cause.MAINTENANCE,
         FaultKind.PREEMPT: Cause.PREEMPTION, FaultKind.OOM: Cause.OOM,
         FaultKind.STOCKOUT: Cause.STOCKOUT, FaultKind.INTERNAL: Cause.INTERNAL,
-        FaultKind.HANG: None, FaultKind.SLOW: None}
+        FaultKind.HANG: None, FaultKind.SLOW: None, FaultKind.WIPE: None,
+        FaultKind.CORRUPT: None}
 
 
 # --------------------------------------------------------------------------- one exit path
@@ -146,7 +147,8 @@ def faults_for(spec: str, machine: JobMachine, workers: dict[str, Any],
     notes, executed = Notes(machine), []
     schedule = ChaosSchedule(parse_chaos(spec), list(machine.config.replicas))
     part = Faults(schedule, machine, workers, primary=PRIMARY, job_dir=tmp_path, grace=10.0,
-                  no_step_warning_s=60.0, note=notes, execute=executed.extend)
+                  no_step_warning_s=60.0, note=notes, execute=executed.extend,
+                  node_local=lambda name: tmp_path / "machines" / name / "local")
     return part, notes, executed
 
 

@@ -667,6 +667,10 @@ class CheckpointManager:
             the_plan = plan(usable, where="on the machines' disks",
                             nothing="a fresh start, or every machine is new")
             if not isinstance(the_plan, Plan):
+                if bad:   # what was there did not verify: say that, not "nothing there"
+                    return None, (f"the node-local copy of step(s) "
+                                  f"{', '.join(map(str, sorted(bad)))} does not verify on "
+                                  f"some rank"), None
                 return None, the_plan.reason, None
             holdings = None
             try:

@@ -16,7 +16,9 @@ Grammar (comma-separated items)::
     /GRACE      maintenance, preempt: SIGTERM to SIGKILL
 
 ``hang`` stops the replica's whole process tree (SIGSTOP): alive and stuck, as in a hung
-collective or a wedged GPU. ``slow`` makes it a straggler: SIGSTOP / SIGCONT in
+collective or a wedged GPU. ``wipe`` empties the replica's node-local disk and ``corrupt``
+flips a byte in the newest committed checkpoint there (faults.py): neither stops the
+replica; the next restore that would read that disk shows what happens. ``slow`` makes it a straggler: SIGSTOP / SIGCONT in
 ``SLOW_PERIOD_S`` periods, running SPEED of each. The launcher owns those signals
 (faults.py); this module only says when and for how long.
 
@@ -93,6 +95,8 @@ class FaultKind(str, Enum):
     INTERNAL = "internal"  # the launcher's own failure for this attempt
     HANG = "hang"  # SIGSTOP the replica's process tree: alive, stuck (for good or +DURATION)
     SLOW = "slow"  # a straggler: stopped and continued so that it runs at SPEED of its pace
+    WIPE = "wipe"  # the replica's node-local disk is emptied; the process runs on
+    CORRUPT = "corrupt"  # a byte of the newest checkpoint on its node-local disk flips
 
     @property
     def targets_replica(self) -> bool:
@@ -114,6 +118,11 @@ class FaultKind(str, Enum):
         return self in (FaultKind.HANG, FaultKind.SLOW)
 
     @property
+    def tampers(self) -> bool:
+        """True when the fault changes the replica's disk and ends nothing."""
+        return self in (FaultKind.WIPE, FaultKind.CORRUPT)
+
+    @property
     def cause(self) -> Cause | None:
         """What the restart policy sees when this fault ends a replica (or the attempt);
         None for a hang or slow-down, which end nothing themselves."""
@@ -122,7 +131,7 @@ class FaultKind(str, Enum):
 
 _REPLICA_KINDS = frozenset(
     {FaultKind.KILL, FaultKind.MAINTENANCE, FaultKind.PREEMPT, FaultKind.OOM,
-     FaultKind.HANG, FaultKind.SLOW}
+     FaultKind.HANG, FaultKind.SLOW, FaultKind.WIPE, FaultKind.CORRUPT}
 )
 _CAUSES = {
     FaultKind.KILL: Cause.NODE_LOSS,   # SIGKILL from outside: the node is gone

@@ -22,6 +22,7 @@ from .messages import JobState
 from .processes import TREE_REFRESH_S, Worker
 from .record import telemetry_prefix
 from .stall import Stall, StallStep, signal_tree
+from .tamper import corrupt_newest_checkpoint, wipe_disk
 
 __all__ = ["NO_STEP_WARNING_S", "Faults"]
 
@@ -43,7 +44,8 @@ class Faults:
     def __init__(self, schedule: ChaosSchedule, machine: JobMachine,
                  workers: Mapping[str, Worker], *, primary: str, job_dir: Path,
                  grace: float, no_step_warning_s: float, note: Callable[..., None],
-                 execute: Callable[[Sequence[Command]], None]) -> None:
+                 execute: Callable[[Sequence[Command]], None],
+                 node_local: Callable[[str], Path]) -> None:
         self.schedule = schedule
         self._machine = machine
         self._workers = workers
@@ -53,6 +55,7 @@ class Faults:
         self._no_step_warning_s = no_step_warning_s
         self._note = note
         self._execute = execute
+        self._node_local = node_local   # a replica -> its node-local disk (machines.py)
         self._pending: list[ScheduledFault] = []
         self._stalls: dict[str, tuple[Worker, Stall]] = {}   # hung or slowed lives, by name
         self.last_step: int | None = None   # the highest step the primary reported
@@ -162,6 +165,8 @@ class Faults:
     def _inject(self, fault: ScheduledFault, now: float) -> bool:
         if fault.kind.stalls:
             return self._begin_stall(fault, now)
+        if fault.kind.tampers:
+            return self._tamper(fault)
         cause = fault.kind.cause
         assert cause is not None   # every kind that is no stall ends something
         m = self._machine
@@ -193,6 +198,27 @@ class Faults:
             w.kill_at = now + grace
         else:
             w.end(cause)
+        return True
+
+    def _tamper(self, fault: ScheduledFault) -> bool:
+        """A wipe or a corruption of the replica's node-local disk; the replica runs on."""
+        w = self._workers.get(fault.target or "")
+        if w is None:
+            return False
+        name = w.replica.name
+        disk = self._node_local(name)
+        when = f" at step {fault.at_step}" if fault.at_step is not None else ""
+        if fault.kind is FaultKind.WIPE:
+            gone = wipe_disk(disk)
+            message = (f"chaos: wipe on {name}{when}: its node-local disk emptied"
+                       + (f" ({', '.join(gone[:5])})" if gone else " (it was empty)"))
+        else:
+            hit = corrupt_newest_checkpoint(disk)
+            message = (f"chaos: corrupt on {name}{when}: " +
+                       (f"flipped a byte of {hit.relative_to(disk)}" if hit else
+                        "no committed checkpoint on its node-local disk to corrupt"))
+        self._note(EventKind.FAULT, message, replica=name, fault=fault.kind.value,
+                   injected=True, step=fault.at_step, counts_as_failure=False)
         return True
 
     def _begin_stall(self, fault: ScheduledFault, now: float) -> bool:

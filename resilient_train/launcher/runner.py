@@ -173,7 +173,8 @@ class Launcher:
         self.faults = Faults(schedule, self.machine, self.workers,
                              primary=self.replicas[0].name, job_dir=self.job_dir,
                              grace=options.grace, no_step_warning_s=options.no_step_warning_s,
-                             note=self.note, execute=self._execute)
+                             note=self.note, execute=self._execute,
+                             node_local=lambda name: self.machines.node_local(name))
         self.memory = MemoryLimit({pool: p.memory_limit for pool, p in self._programs.items()},
                                   self.workers, self.note, options.memory_poll_s)
         quota_dir = options.quota_dir or default_quota_dir(options.env)
