@@ -165,8 +165,10 @@ class Context:
                 deferred = sigterm.defer_loader_failures()
             if tele is not None:   # first: an emergency save on SIGTERM exits in maybe_save
                 tele.step(done)
+            group.phase("save")   # a long save is no hang (the watchdog counts steps)
             if mgr.maybe_save(done) and tele is not None:
                 tele.saved(done, mgr.last_blocking_s)
+            group.phase("step")
             group.step_done(done)
 
     def _hand_over(self) -> None:
@@ -184,6 +186,7 @@ class Context:
 
     def _finish(self) -> None:
         mgr = self.checkpoints
+        self.group.phase("save")   # the last save and the upload in flight: no hang
         if self.options.final_save and self.step and mgr.last_saved_step != self.step:
             mgr.save(self.step)
         mgr.close()

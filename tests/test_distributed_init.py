@@ -379,6 +379,34 @@ def test_hang_watchdog_fires_only_when_armed_and_idle() -> None:
         dog.close()
 
 
+def test_hang_watchdog_counts_steps_not_a_long_save() -> None:
+    # A blocking save (or one waiting for the previous upload) between two steps can last
+    # longer than the hang timeout: only time in the "step" phase counts.
+    clock = FakeClock()
+    fired: list[str] = []
+    event = threading.Event()
+
+    def on_hang(msg: str) -> None:
+        fired.append(msg)
+        event.set()
+
+    dog = HangWatchdog(0.5, on_hang=on_hang, clock=clock)
+    try:
+        dog.arm()
+        dog.beat(1)
+        dog.phase("save")
+        clock.now = 100.0    # a 100 s save
+        assert not event.wait(0.3)
+        dog.phase("step")    # the count starts afresh
+        clock.now = 100.4
+        assert not event.wait(0.3)
+        clock.now = 101.0
+        assert event.wait(10)
+        assert "no training step finished for 1 s" in fired[0]
+    finally:
+        dog.close()
+
+
 def test_hang_watchdog_disarmed_never_fires() -> None:
     clock = FakeClock()
     event = threading.Event()

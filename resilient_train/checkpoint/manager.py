@@ -110,6 +110,9 @@ class CheckpointOptions:
     # Multi-rank: after a peer's restart, restore from the survivors' memory instead of
     # storage (peers.py). Costs each step a ring message of about 15 KB.
     peer_recovery: bool = True
+    # An async save copies parameters and optimizer state to the host while the next step
+    # computes; only the next optimizer step waits for that copy (state.HostSnapshot).
+    overlap_snapshot: bool = True
     # A node-local tier (the machine's own disk) that every save goes to, the persistent
     # one (the checkpoint directory) every NodeLocal.persistent_every-th save: nodelocal.py.
     node_local: NodeLocal | None = None
@@ -137,6 +140,8 @@ class CheckpointOptions:
         expect_type("CheckpointOptions.retry", self.retry, RetryOptions, "rt.RetryOptions(...)")
         expect_type("CheckpointOptions.async_save", self.async_save, bool, "True or False")
         expect_type("CheckpointOptions.peer_recovery", self.peer_recovery, bool,
+                    "True or False")
+        expect_type("CheckpointOptions.overlap_snapshot", self.overlap_snapshot, bool,
                     "True or False")
         expect_type("CheckpointOptions.node_local", self.node_local, (NodeLocal, NONE),
                     "rt.NodeLocal(...), or None (no node-local tier)")
@@ -305,12 +310,14 @@ class CheckpointManager:
         """Objects with ``state_dict``/``load_state_dict`` (model, optimizer, scheduler,
         scaler), replicated on every rank; the primary writes them."""
         self._tracked.update(objects)
-        if self._ring is not None:
-            import torch
+        import torch
 
-            for obj in objects.values():
-                if isinstance(obj, torch.optim.Optimizer):
+        for obj in objects.values():
+            if isinstance(obj, torch.optim.Optimizer):
+                if self._ring is not None:
                     self._ring.watch_optimizer(obj, self._rank_state)
+                # The snapshot of a save may still be copying what this step overwrites.
+                obj.register_step_pre_hook(self._before_optimizer_step)
 
     # --- when to save -----------------------------------------------------------------
 
@@ -362,7 +369,10 @@ class CheckpointManager:
         # one copies it into reused host buffers first, and that copy is all it blocks for.
         # Accelerator state always goes through the host copy, so every file holds CPU
         # tensors: torch.load(weights_only=True) reads it on a machine without a GPU.
-        snap = tree if sync and tree_on_host(tree) else self._snapshot.snapshot(tree)
+        defer = self._deferrable() if not sync and self.options.overlap_snapshot else \
+            frozenset()
+        snap = tree if sync and tree_on_host(tree) else self._snapshot.snapshot(tree,
+                                                                                defer=defer)
         if staged is not None:
             snap["dcp"] = staged  # already a host copy: DCP's stager made it
         self.last_blocking_s = time.perf_counter() - t0
@@ -375,6 +385,24 @@ class CheckpointManager:
             self._inflight = self._thread.submit(self._write_guarded, step, snap, local,
                                                  persistent)
         self.scheduler.measured(time.perf_counter() - t_wait)   # a blocking save: its write too
+
+    def _before_optimizer_step(self, *_: Any) -> None:
+        # A failed copy is the save's failure: the writer raises it, not the training step.
+        self._snapshot.wait(errors=False)
+
+    def _deferrable(self) -> frozenset[int]:
+        """Storage addresses of what only the tracked optimizers' steps write: their
+        parameters and their state. A snapshot may copy these while the next step's
+        forward and backward run (HostSnapshot.snapshot)."""
+        import torch
+
+        ptrs: set[int] = set()
+        for obj in self._tracked.values():
+            if isinstance(obj, torch.optim.Optimizer):
+                ptrs.update(p.data_ptr() for g in obj.param_groups for p in g["params"])
+                ptrs.update(v.data_ptr() for st in obj.state.values() for v in st.values()
+                            if isinstance(v, torch.Tensor))
+        return frozenset(ptrs)
 
     def _rank_state(self) -> dict[str, Any]:
         """What differs per rank and is saved per rank: the RNG streams and ``values``."""
@@ -460,6 +488,7 @@ class CheckpointManager:
         if local:
             assert self._local is not None
             try:
+                self._snapshot.wait()   # its deferred copies (an overlapped snapshot)
                 self._local.write(step, snap, self._partner_copy(step))
             except Exception as exc:
                 log.warning("node-local checkpoint of step %d in %s failed: %s", step,
@@ -494,6 +523,7 @@ class CheckpointManager:
         entries: dict[str, FileEntry] = {}
         failure: Exception | None = None
         try:
+            self._snapshot.wait()   # its deferred copies (an overlapped snapshot)
             entries = self.writer.write(work, snap)
         except Exception as exc:  # reported to the primary below, then raised
             failure = exc

@@ -18,6 +18,7 @@ import logging
 import pickle
 import random
 import re
+import threading
 import time
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Iterator, Mapping
@@ -472,6 +473,11 @@ def tree_nbytes(tree: Any) -> int:
 # Host snapshots
 
 
+# A snapshot defers its copies to a thread only when they are at least this large: a
+# smaller copy takes less than starting the thread and the step's wait for it.
+MIN_DEFER_BYTES = 16 << 20
+
+
 @dataclass(frozen=True)
 class SnapshotOptions:
     # Page-locked buffers for CUDA sources: faster device-to-host copies that can run
@@ -490,6 +496,24 @@ class HostSnapshot:
         self.options = options or SnapshotOptions()
         self._buffers: dict[tuple[Any, ...], torch.Tensor] = {}
         self._copy_seconds = 0.0
+        # The deferred part of the last snapshot is copied by a thread of its own; any
+        # thread may wait for it (the training thread's optimizer step, the writer).
+        self._copied = threading.Event()
+        self._copied.set()
+        self._copy_error: BaseException | None = None
+        self.deferred_bytes = 0   # of the last snapshot: copied while training went on
+
+    def wait(self, *, errors: bool = True) -> None:
+        """Block until the deferred copies of the last snapshot are done (at once when
+        there are none); raise what failed in them (``errors``), in every thread that
+        waits."""
+        self._copied.wait()
+        if errors and self._copy_error is not None:
+            raise self._copy_error
+
+    @property
+    def copying(self) -> bool:
+        return not self._copied.is_set()
 
     @property
     def nbytes(self) -> int:
@@ -505,10 +529,20 @@ class HostSnapshot:
         """Drop all buffers (the next snapshot allocates afresh)."""
         self._buffers = {}
 
-    def snapshot(self, tree: Any, *, where: str = "state") -> Any:
+    def snapshot(self, tree: Any, *, where: str = "state",
+                 defer: frozenset[int] = frozenset()) -> Any:
         """A structurally identical tree whose tensors are plain CPU copies in buffers owned
-        here (Parameters come back as plain tensors); other leaves are deep-copied."""
+        here (Parameters come back as plain tensors); other leaves are deep-copied.
+
+        ``defer``: storage addresses (``data_ptr()``) of host tensors that nothing writes
+        until :meth:`wait` is called (parameters and optimizer state, which only an
+        optimizer step writes: the manager waits in a step pre-hook). They are copied by a
+        thread while training goes on (CheckFreq's pipelined snapshot): the call returns
+        after copying the rest. The tree is complete once :meth:`wait` returns."""
+        self._copied.wait()   # the previous snapshot's buffers are about to be reused
+        self._copy_error = None
         t0 = time.perf_counter()
+        later: list[tuple[torch.Tensor, torch.Tensor]] = []
         new_buffers: dict[tuple[Any, ...], torch.Tensor] = {}
         # The same tensor object at two paths (tied weights) gets one copy, as torch.save would.
         memo: dict[int, torch.Tensor] = {}
@@ -526,7 +560,10 @@ class HostSnapshot:
                 buf = torch.empty(src.shape, dtype=src.dtype, device="cpu", pin_memory=pin)
             # copy_ materialises views, strides and conj/neg bits: the buffer never aliases
             # the live tensor.
-            buf.copy_(src, non_blocking=pin)
+            if not pin and src.device.type == "cpu" and src.data_ptr() in defer:
+                later.append((buf, src))
+            else:
+                buf.copy_(src, non_blocking=pin)
             if pin:
                 cuda_devices.add(src.device)
             if buf.__dict__ or src.__dict__:
@@ -542,8 +579,28 @@ class HostSnapshot:
             torch.cuda.synchronize(device)  # non_blocking copies must land before use
         # Paths gone from this tree release their buffers.
         self._buffers = new_buffers
+        self.deferred_bytes = sum(b.numel() * b.element_size() for b, _ in later)
+        if self.deferred_bytes < MIN_DEFER_BYTES:   # a thread costs more than it saves
+            with torch.no_grad():
+                for buf, src in later:
+                    buf.copy_(src)
+            later, self.deferred_bytes = [], 0
+        if later:
+            self._copied.clear()
+            threading.Thread(target=self._copy_later, args=(later,), name="rt-snapshot-copy",
+                             daemon=True).start()
         self._copy_seconds = time.perf_counter() - t0
         return out
+
+    def _copy_later(self, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        try:
+            with torch.no_grad():   # copy_ releases the GIL: the training thread runs on
+                for buf, src in pairs:
+                    buf.copy_(src)
+        except BaseException as exc:  # noqa: BLE001 - raised by wait(), in the caller
+            self._copy_error = exc
+        finally:
+            self._copied.set()
 
 
 def _check_snapshottable(t: torch.Tensor, key: tuple[Any, ...], where: str) -> None:

@@ -213,6 +213,11 @@ class DistributedGroup:
         if self._peer_lost.is_set():
             raise PeerRestartedError(self._peer_reason, self.generation)
 
+    def phase(self, name: str) -> None:
+        """What this rank does now ("step", "save"): the hang watchdog counts steps only."""
+        if self._hang is not None:
+            self._hang.phase(name)
+
     def barrier(self, name: str = "barrier", timeout_s: float | None = None) -> None:
         """Every rank waits here; a timeout names the ranks that never came."""
         if self.world_size == 1:

@@ -4,7 +4,9 @@ job from its checkpoint instead of letting it sit in a collective for 30 minutes
 
 ``beat()`` is one monotonic-clock read and an attribute store: cheap enough for every step.
 The watchdog is armed by the first beat after ``arm()`` (so a slow start-up, a restore or a
-rendezvous wait never counts as a hang) and ``disarm()`` pauses it.
+rendezvous wait never counts as a hang) and ``disarm()`` pauses it. ``phase()`` says what
+the rank is doing between two beats: only time in the ``step`` phase counts, so a long
+save (a blocking one, or one waiting for the previous save's upload) never fires it.
 """
 
 from __future__ import annotations
@@ -64,6 +66,7 @@ class HangWatchdog:
         self._armed = False
         self._arming = False
         self._step: int | None = None
+        self._phase = "step"
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="rt-hang-watchdog", daemon=True)
         self._thread.start()
@@ -73,6 +76,13 @@ class HangWatchdog:
         self._step = step
         if self._arming:
             self._armed, self._arming = True, False
+
+    def phase(self, name: str) -> None:
+        """The rank now does ``name`` ("step", "save", ...): time outside "step" does not
+        count, and the count starts afresh when the steps resume."""
+        if name == "step":
+            self._last = self._clock()
+        self._phase = name
 
     def arm(self) -> None:
         """Start counting at the next beat."""
@@ -89,7 +99,7 @@ class HangWatchdog:
     def _run(self) -> None:
         poll = min(1.0, self.timeout_s / 10)
         while not self._stop.wait(poll):
-            if not self._armed:
+            if not self._armed or self._phase != "step":
                 continue
             idle = self._clock() - self._last
             if idle >= self.timeout_s:
