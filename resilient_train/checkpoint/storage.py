@@ -428,7 +428,9 @@ class Storage:
         on local disk (``TMPDIR``), then uploaded with one ``put_file`` -- one object
         creation, retried as a whole. Disk, not memory, because checkpoint shards are as
         large as the model: an in-memory buffer would double the host memory a save needs.
-        On an exception nothing is uploaded and no partial object or file is ever visible.
+        (``gs://`` with several streams: parts of a fixed number of bounded buffers upload
+        while the stream is written, then are composed; storage_fsspec.TransferOptions.)
+        On an exception no partial object or file is ever visible.
         """
         rel = _check_rel(rel, allow_root=False)
         with self._open_write(rel, atomic=atomic) as f:
