@@ -19,8 +19,8 @@ The loop is *blocked* by a save for the time in ``save()`` plus what the next op
 step waits for the copy (timed by hooks around the manager's own), the mean over
 ``--saves`` saves. On this 2-core machine the background copy and the step's compute share
 the cores (memory bandwidth, mostly), so the step that overlaps the copy runs slower
-without being blocked: its median time is reported beside a step with nothing in flight. Writes JSON (with the load average) to
-benchmarks/results/overlap.json.
+without being blocked: its median time is reported beside a step with nothing in flight.
+Writes JSON (with the load average) to benchmarks/results/overlap.json.
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 sys.path.insert(0, str(REPO))
 
-import resilient_train as rt
+import resilient_train as rt  # noqa: E402 - from this checkout, after the path is set
 
 
 def synthetic(state_mb: int) -> tuple[torch.nn.Module, torch.optim.Optimizer,

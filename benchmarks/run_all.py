@@ -85,6 +85,16 @@ BENCHES: list[Bench] = [
           ["--quick"], []),
     Bench("soak", "bench_soak.py", "Kill soak: one 4-worker job, kills at random steps over "
           "every rank", ["--kills", "8", "--against", "none"], [], quick_timeout=900),
+    Bench("gcs_streams", "bench_gcs_streams.py",
+          "Parallel streams to gs:// (fake-gcs-server): save and restore by streams per file",
+          ["--size-mib", "128", "--repeats", "2"], [], quick_timeout=900),
+    Bench("peers", "bench_peers.py", "Per-step cost of keeping peers' per-rank state",
+          ["--steps", "1000", "--charlm-steps", "60"], [], quick_timeout=900),
+    Bench("overlap", "bench_overlap.py", "Overlapped snapshot against the blocking copy",
+          ["--saves", "4", "--state-mb", "256"], [], quick_timeout=900),
+    # --quick (5-7 min): 0.13 GiB of state per rank, not 0.5 (the full size: 15-18 min).
+    Bench("recovery", "bench_recovery.py", "Recovery after a worker's death: from live "
+          "peers, from gs://, and under torchrun", ["--quick"], [], quick_timeout=900),
 ]
 BY_NAME = {b.name: b for b in BENCHES}
 
@@ -677,10 +687,99 @@ def section_soak(d: dict[str, Any]) -> Section:
     return "\n".join(md), svgs
 
 
+def section_gcs_streams(d: dict[str, Any]) -> Section:
+    cfg = d.get("config") or {}
+    rows = d.get("rows") or []
+    default = d.get("default") or {}
+    parts = any("ratio_vs_1_parts" in (r.get("save") or {}) for r in rows)
+    md = [(f"A {fnum((cfg.get('size_bytes') or 0) / 2**20, 0)} MiB checkpoint (64 float32 "
+           f"tensors) saved and restored by `CheckpointManager` on "
+           f"{cfg.get('store') or cfg.get('emulator') or 'the emulator'}, "
+           f"{cfg.get('repeats', '?')} interleaved rounds after a warm-up, medians. "
+           "x1: the one-stream path's time (one `put_file` / `cat_file` per file) over the "
+           "row's, above 1.00x faster; per round: the median of the per-round ratios"
+           + ("; x1 parts: the same against the one-stream part upload (the upload's shape "
+              "without parallelism)" if parts else "") + "."), ""]
+    head = ["", "save s", "MiB/s", "x1", "per round"] + (["x1 parts"] if parts else []) + \
+        ["restore s", "MiB/s", "x1", "per round", "parts", "buffers"]
+    table, values = [], {}
+    for r in rows:
+        sv, rs = r.get("save") or {}, r.get("restore") or {}
+        name = str(r.get("contender", "?"))
+        table.append([name, fnum(sv.get("median_s"), 2), fnum(sv.get("mib_s"), 0),
+                      fratio(sv.get("ratio_vs_1")), fratio(sv.get("ratio_vs_1_paired"))]
+                     + ([fratio(sv.get("ratio_vs_1_parts"))] if parts else [])
+                     + [fnum(rs.get("median_s"), 2), fnum(rs.get("mib_s"), 0),
+                        fratio(rs.get("ratio_vs_1")), fratio(rs.get("ratio_vs_1_paired")),
+                        str(r.get("parts", "-")), str(r.get("peak_part_buffers", "-"))])
+        values[(name, "save")] = sv.get("mib_s")
+        values[(name, "restore")] = rs.get("mib_s")
+    md.append(md_table(head, table))
+    if default:
+        md += ["", (f"Default for `gs://`: `TransferOptions(streams={default.get('streams')}, "
+                    f"read_streams={default.get('read_streams', '?')}, part_bytes="
+                    f"{fnum((default.get('part_bytes') or 0) / 2**20, 0)} MiB)`.")]
+    if d.get("bound"):
+        md += ["", f"What bounds it here: {d['bound']}."]
+    loads = d.get("load_average_1min")
+    if loads:
+        md += ["", "1-minute load average during the run: "
+               + ", ".join(f"{k} {v}" for k, v in loads.items()) + "."]
+    svgs = {}
+    if table:
+        svgs["gcs_streams.svg"] = plots.grouped_bars(
+            "gs:// checkpoint throughput by streams per file (MiB/s, higher is better)",
+            [t[0] for t in table], ["save", "restore"], values, unit="MiB/s")
+    return "\n".join(md), svgs
+
+
+def section_peers(d: dict[str, Any]) -> Section:
+    ring, charlm = d.get("ring") or {}, d.get("charlm") or {}
+    frac, target = d.get("cost_fraction_of_charlm_step"), d.get("target_fraction")
+    rows = [["ring on, per step", fnum((ring.get("on_mean_s") or 0) * 1e6, 0)],
+            ["ring off, per step", fnum((ring.get("off_mean_s") or 0) * 1e6, 0)],
+            ["cost per step", fnum((ring.get("cost_s") or 0) * 1e6, 0)],
+            ["a step of train_charlm.py (2 workers)",
+             fnum((charlm.get("mean_step_s") or 0) * 1e6, 0)]]
+    md = [(f"2 processes over 127.0.0.1, {ring.get('steps', '?')} steps each way, interleaved: "
+           "an optimizer step and the manager's step boundary with peer recovery on and off; "
+           "then train_charlm.py under the launcher for its step time."), "",
+          md_table(["", "us"], rows)]
+    if frac is not None:
+        ok = target is None or frac <= target
+        md += ["", f"Cost per step: {frac:.2%} of a train_charlm.py step (target <= "
+               f"{(target or 0):.0%}: {'met' if ok else 'NOT met'})."]
+    return "\n".join(md), {}
+
+
+def section_overlap(d: dict[str, Any]) -> Section:
+    rows = []
+    for name in ("synthetic", "charlm"):
+        r = d.get(name) or {}
+        b, o = r.get("blocking") or {}, r.get("overlapped") or {}
+        rows.append([name, fnum((b.get("state_bytes") or 0) / 2**20, 0),
+                     fnum((b.get("step_s") or 0) * 1e3, 0),
+                     fnum((b.get("blocked_s") or 0) * 1e3, 1),
+                     fnum((o.get("blocked_s") or 0) * 1e3, 1), fratio(r.get("ratio"))])
+    md = ["The loop's time blocked per async save (in `save()` plus the next optimizer "
+          "step's wait for the copy), with the copy overlapping the next step and without. "
+          "Target: at most 0.2x where the step is longer than the copy.", "",
+          md_table(["model", "state MiB", "step ms", "blocking copy ms", "overlapped ms",
+                    "ratio"], rows)]
+    return "\n".join(md), {}
+
+
+def section_recovery(d: dict[str, Any]) -> Section:
+    import bench_recovery   # renders its own JSON
+
+    return bench_recovery.markdown_section(d, md_table, fnum)
+
+
 SECTIONS: dict[str, Callable[[dict[str, Any]], Section]] = {
     "checkpoint": section_checkpoint, "distributed": section_distributed,
     "runtime": section_runtime, "launcher": section_launcher, "goodput": section_goodput,
-    "soak": section_soak,
+    "soak": section_soak, "gcs_streams": section_gcs_streams,
+    "recovery": section_recovery, "peers": section_peers, "overlap": section_overlap,
 }
 
 

@@ -272,6 +272,10 @@ class CheckpointManager:
                                   peer_memory or process_memory(),
                                   tensor_versions(self._tracked))
         self.last_restore: RestoreRecord | None = None
+        # The step pre-hooks on tracked optimizers, removed at close: a hook would keep
+        # this manager (and its process groups) alive as long as the optimizer.
+        self._hooks: list[Any] = []
+        self._hooked: set[int] = set()
         self._read_bytes = 0   # checkpoint bytes this rank read from storage in a restore
         self._local: LocalTier | None = None
         if self.options.node_local is not None:
@@ -313,11 +317,12 @@ class CheckpointManager:
         import torch
 
         for obj in objects.values():
-            if isinstance(obj, torch.optim.Optimizer):
+            if isinstance(obj, torch.optim.Optimizer) and id(obj) not in self._hooked:
+                self._hooked.add(id(obj))
                 if self._ring is not None:
-                    self._ring.watch_optimizer(obj, self._rank_state)
+                    self._hooks.append(self._ring.watch_optimizer(obj, self._rank_state))
                 # The snapshot of a save may still be copying what this step overwrites.
-                obj.register_step_pre_hook(self._before_optimizer_step)
+                self._hooks.append(obj.register_step_pre_hook(self._before_optimizer_step))
 
     # --- when to save -----------------------------------------------------------------
 
@@ -440,6 +445,9 @@ class CheckpointManager:
         try:
             self.wait()
         finally:
+            for hook in self._hooks:
+                hook.remove()
+            self._hooks.clear()
             if self._ring is not None:
                 self._ring.link.close()
             self._thread.shutdown()

@@ -129,12 +129,11 @@ class PeerRing:
         self._early_flags = 0               # ... and its flags
         self._late = False   # a step changed RNG or values after its optimizer step
         self._done = 0                      # steps finished (the last boundary)
-        self._hooked: set[int] = set()
 
     # --- every step ---------------------------------------------------------------------
 
     def watch_optimizer(self, optimizer: Any, rank_state: Callable[[], Mapping[str, Any]]
-                        ) -> None:
+                        ) -> Any:
         """Send this rank's state round the ring just before ``optimizer`` steps, and wait
         for the previous rank's.
 
@@ -145,10 +144,8 @@ class PeerRing:
         step, a rank lost in that window would take its state with it while the others
         moved on, leaving no step that all could restore. A step that changes the RNGs or
         ``values`` after the optimizer step sends its final state again at its end (see
-        :meth:`boundary`), and from then on its early copies do not count."""
-        if id(optimizer) in self._hooked:
-            return
-        self._hooked.add(id(optimizer))
+        :meth:`boundary`), and from then on its early copies do not count. Returns the
+        hook's handle (the manager removes it when it closes)."""
 
         def before_step(_opt: Any, _args: Any, _kwargs: Any) -> None:
             step = self._done + 1
@@ -163,7 +160,7 @@ class PeerRing:
                 self.link.send(_EARLY, step, self._early_flags, self._sent)
                 self._keep(self.link.receive(_EARLY))
 
-        optimizer.register_step_pre_hook(before_step)
+        return optimizer.register_step_pre_hook(before_step)
 
     def boundary(self, step: int, rank_state: Callable[[], Mapping[str, Any]],
                  values: Mapping[str, Any]) -> None:
