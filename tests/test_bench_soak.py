@@ -78,10 +78,12 @@ def test_a_two_kill_soak_measures_every_recovery_here_and_under_torchrun(tmp_pat
         (p["rank"], p["step"]) for p in data["config"]["plan"]]
     for k in data["kills"]:
         # Both ranks trained again after the kill, from the survivor's memory: at most
-        # the step in flight lost, no checkpoint (saved every 10 steps) gone back to.
+        # the step in flight lost, no checkpoint (saved every 10 steps) gone back to. (A
+        # killed primary may have joined one more step's all-reduce than its progress
+        # record says: the survivor finishes that step, one past "done at the kill".)
         assert set(k["first_step_s"]) == {"workerpool0-0", "workerpool1-0"}
         assert k["recovery_s"] == max(k["first_step_s"].values()) > 0
-        assert k["steps_done_at_kill"] - 1 <= k["resumed_from"] <= k["steps_done_at_kill"]
+        assert abs(k["resumed_from"] - k["steps_done_at_kill"]) <= 1, k
         assert k["survivors_reformed_s"] is not None   # the survivor re-formed in-process
     assert s["recovery_s"]["min"] <= s["recovery_s"]["median"] <= s["recovery_s"]["max"]
     assert "load_average_start" in data["machine"]

@@ -4,15 +4,12 @@ get, from its own disk or a neighbour's, else from storage. Real files, real pro
 
 from __future__ import annotations
 
-import json
-import os
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
+from jobs import assert_same_end, launch_job
 
 import resilient_train as rt
 from resilient_train.checkpoint.directory import SHARED_FILE
@@ -110,17 +107,8 @@ def test_node_local_options_say_what_is_wrong() -> None:
 
 
 def launch(tmp: Path, name: str, *args: str) -> tuple[dict, str, Path]:
-    job_dir = tmp / name
-    proc = subprocess.run(
-        [sys.executable, "-m", "resilient_train.cli", "launch", "--workers", "2",
-         "--job-dir", str(job_dir), *args, "--",
-         sys.executable, str(HERE / "workers" / "local_tier.py"), "80", "0.03"],
-        env=dict(os.environ, RESILIENT_TRAIN_QUOTA_DIR=str(tmp / "quota"),
-                 RESILIENT_TRAIN_FORM_TIMEOUT_S="15"),
-        cwd=tmp, capture_output=True, text=True, timeout=400)
-    out = proc.stdout + proc.stderr
-    assert proc.returncode == 0, out[-4000:]
-    return json.loads((job_dir / "job.json").read_text()), out, job_dir
+    return launch_job(tmp, name, 2, args,
+                      [str(HERE / "workers" / "local_tier.py"), "80", "0.03"])
 
 
 @pytest.mark.slow
@@ -139,14 +127,7 @@ def test_every_worker_restarted_one_on_a_new_machine_resumes_from_the_others_dis
     assert {r["source"] for r in recovery["ranks"]} == {"node-local"}, recovery
     assert recovery["bytes_read"]["persistent"] == 0
     assert "rank 1: resumed from step 35 (from rank 0's node-local disk)" in out
-    for name in ("model.pt", "rank0.pt", "rank1.pt"):
-        want = torch.load(clean / "output" / "model" / name, weights_only=True)
-        got = torch.load(faulted / "output" / "model" / name, weights_only=True)
-        if name == "model.pt":
-            assert all(torch.equal(want[k], got[k]) for k in want), name
-        else:
-            assert got["values"] == want["values"] and torch.equal(got["draws"], want["draws"])
-
+    assert_same_end(clean, faulted, ranks=2)
 
 def test_chaos_wipe_and_corrupt_hit_the_disk_a_restore_reads(tmp_path: Path, caplog) -> None:
     from resilient_train.launcher.chaos import FaultKind, parse_chaos

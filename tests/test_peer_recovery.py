@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from jobs import assert_same_end, launch_job
 
 from resilient_train.checkpoint.directory import (
     SHARED_FILE,
@@ -21,18 +22,9 @@ from resilient_train.checkpoint.directory import (
     rank_file,
     read_manifest,
 )
-from resilient_train.checkpoint.recovery_plan import (
-    NoPlan,
-    Plan,
-    Report,
-    plan,
-)
-from resilient_train.checkpoint.recovery_plan import (
-    dumps_rank_state as _dumps,
-)
-from resilient_train.checkpoint.recovery_plan import (
-    loads_rank_state as _loads,
-)
+from resilient_train.checkpoint.recovery_plan import NoPlan, Plan, Report, plan
+from resilient_train.checkpoint.recovery_plan import dumps_rank_state as _dumps
+from resilient_train.checkpoint.recovery_plan import loads_rank_state as _loads
 from resilient_train.checkpoint.state import capture_rng
 from resilient_train.checkpoint.storage import Storage
 from resilient_train.ports import free_port
@@ -148,17 +140,8 @@ RANK_OF = {"workerpool0-0": 0, "workerpool1-0": 1, "workerpool1-1": 2}
 
 
 def launch(tmp: Path, name: str, chaos: str | None) -> tuple[dict, str, Path]:
-    job_dir = tmp / name
-    proc = subprocess.run(
-        [sys.executable, "-m", "resilient_train.cli", "launch", "--workers", "3",
-         "--job-dir", str(job_dir), *(["--chaos", chaos] if chaos else []), "--",
-         sys.executable, str(HERE / "workers" / "peer_ddp.py"), str(STEPS), "25", "0.03"],
-        env=dict(os.environ, RESILIENT_TRAIN_QUOTA_DIR=str(tmp / "quota"),
-                 RESILIENT_TRAIN_FORM_TIMEOUT_S="15"),
-        cwd=tmp, capture_output=True, text=True, timeout=400)
-    out = proc.stdout + proc.stderr
-    assert proc.returncode == 0, out[-4000:]
-    return json.loads((job_dir / "job.json").read_text()), out, job_dir
+    return launch_job(tmp, name, 3, ["--chaos", chaos] if chaos else [],
+                      [str(HERE / "workers" / "peer_ddp.py"), str(STEPS), "25", "0.03"])
 
 
 def restores(job_dir: Path) -> list[dict]:
@@ -218,12 +201,4 @@ def test_three_workers_lose_a_worker_their_primary_and_an_attempt_and_end_bitwis
         assert {x["source"] for x in r["ranks"]} == {"peer"}
         assert r["bytes_read"]["persistent"] == 0 and r["steps_lost"] <= 1, r
     assert {x["source"] for x in recoveries[2]["ranks"]} == {"persistent"}
-    for name in ("model.pt", "rank0.pt", "rank1.pt", "rank2.pt"):
-        want = torch.load(clean / "output" / "model" / name, weights_only=True)
-        got = torch.load(faulted / "output" / "model" / name, weights_only=True)
-        if name == "model.pt":
-            assert want.keys() == got.keys()
-            assert all(torch.equal(want[k], got[k]) for k in want), name
-        else:
-            assert got["values"] == want["values"], name
-            assert torch.equal(got["draws"], want["draws"]), name
+    assert_same_end(clean, faulted, ranks=3)

@@ -1,0 +1,44 @@
+"""Jobs under the launcher for the end-to-end recovery tests: start one, and compare how
+two runs of a worker that writes ``model.pt`` and ``rankR.pt`` (its values and RNG draws,
+tests/workers/peer_ddp.py and local_tier.py) ended."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+
+def launch_job(tmp: Path, name: str, workers: int, launcher_args: Sequence[str],
+               script: Sequence[str]) -> tuple[dict[str, Any], str, Path]:
+    """Run ``script`` (a worker and its arguments) under the launcher to the end: the job
+    record, the launcher's output, the job directory. Fails the test unless it exits 0."""
+    job_dir = tmp / name
+    proc = subprocess.run(
+        [sys.executable, "-m", "resilient_train.cli", "launch", "--workers", str(workers),
+         "--job-dir", str(job_dir), *launcher_args, "--", sys.executable, *script],
+        env=dict(os.environ, RESILIENT_TRAIN_QUOTA_DIR=str(tmp / "quota"),
+                 RESILIENT_TRAIN_FORM_TIMEOUT_S="15"),
+        cwd=tmp, capture_output=True, text=True, timeout=400, check=False)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-4000:]
+    return json.loads((job_dir / "job.json").read_text()), out, job_dir
+
+
+def assert_same_end(clean: Path, faulted: Path, ranks: int) -> None:
+    """The two runs ended bitwise alike: weights, and each rank's values and RNG draws."""
+    for name in ["model.pt", *(f"rank{r}.pt" for r in range(ranks))]:
+        want = torch.load(clean / "output" / "model" / name, weights_only=True)
+        got = torch.load(faulted / "output" / "model" / name, weights_only=True)
+        if name == "model.pt":
+            assert want.keys() == got.keys()
+            assert all(torch.equal(want[k], got[k]) for k in want), name
+        else:
+            assert got["values"] == want["values"], name
+            assert torch.equal(got["draws"], want["draws"]), name
