@@ -396,27 +396,38 @@ class Rendezvous:
         Raises BarrierTimeoutError naming the ranks that did not arrive, and
         PeerRestartedError when a newer generation begins meanwhile.
         """
+        import torch.distributed as dist
+
         keys = [self._key("g", gen, "barrier", name, r) for r in range(self.world_size)]
         self.store.set(keys[self.rank], self.incarnation)
         start = last_log = time.monotonic()
         sleep = 0.005
+        # Who is missing, taken shortly before the timeout: the ranks time out together,
+        # and the primary, leaving on its own timeout, takes the store with it while the
+        # others may still be asking it who never came.
+        early: list[int] | None = None
         while not self.store.check(keys):
             now = time.monotonic()
             if sigterm.received():
                 raise StopRequestedError(f"SIGTERM while waiting at barrier {name!r}; leaving")
-            current = self.generation()
-            if current != gen:
-                raise PeerRestartedError(
-                    f"generation {gen} ended during barrier {name!r}: "
-                    f"{self.cause(current) or 'a peer restarted'}", gen)
+            if early is None and now - start >= 0.8 * timeout_s:
+                early = self._missing(keys)
             if now - start >= timeout_s:
-                missing = self._missing(keys)
+                try:
+                    missing = self._missing(keys)
+                except dist.DistNetworkError:
+                    missing = early if early is not None else []
                 raise BarrierTimeoutError(
                     f"barrier {name!r} timed out after {timeout_s:.0f} s: "
                     f"{len(missing)} of {self.world_size} ranks never reached it: "
                     f"{describe_ranks(missing, self.name_of)}. They are slow, hung or "
                     f"took another code path; their logs (or a hang-watchdog report) tell "
                     f"which.", missing=tuple(missing))
+            current = self.generation()
+            if current != gen:
+                raise PeerRestartedError(
+                    f"generation {gen} ended during barrier {name!r}: "
+                    f"{self.cause(current) or 'a peer restarted'}", gen)
             if now - last_log >= PROGRESS_EVERY_S:
                 last_log = now
                 missing = self._missing(keys)
