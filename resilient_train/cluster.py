@@ -23,6 +23,8 @@ logger = logging.getLogger(__name__)
 
 CLUSTER_SPEC_ENV = "CLUSTER_SPEC"
 TF_CONFIG_ENV = "TF_CONFIG"
+# The replica's own machine disk (set by the launcher; the node-local checkpoint tier's default).
+NODE_LOCAL_DIR_ENV = "RESILIENT_TRAIN_NODE_LOCAL_DIR"
 POOLS = ("workerpool0", "workerpool1", "workerpool2", "workerpool3")
 POOL_TO_TF_TYPE = {
     "workerpool0": "chief",

@@ -32,11 +32,12 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from .. import __version__
+from ..cluster import NODE_LOCAL_DIR_ENV
 from ..validate import NONE, expect_type
 from .commit import committer_for, remove_crashed_saves
 from .directory import (
@@ -58,7 +59,6 @@ from .writer import StepWriter, write_torch_file
 
 log = logging.getLogger(__name__)
 
-NODE_LOCAL_DIR_ENV = "RESILIENT_TRAIN_NODE_LOCAL_DIR"   # set by the launcher
 
 
 @dataclass(frozen=True)

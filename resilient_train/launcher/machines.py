@@ -34,7 +34,6 @@ from .policy import Cause
 
 log = logging.getLogger(__name__)
 
-NODE_LOCAL_DIR_ENV = "RESILIENT_TRAIN_NODE_LOCAL_DIR"
 # Causes after which the replica's next life runs on another VM (the table above).
 _VM_LOST = frozenset({Cause.MAINTENANCE, Cause.NODE_LOSS, Cause.PREEMPTION})
 # A working directory with more entries than this is not mirrored (one link per entry per

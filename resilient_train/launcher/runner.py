@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ..cluster import NODE_LOCAL_DIR_ENV
 from ..ports import free_port
 from ..telemetry import read_step
 from .capacity import CapacityLease
@@ -46,7 +47,7 @@ from .job import (
 )
 from .jobrecord import JobRecord, job_spec, launcher_alive
 from .logtail import peer_connection_error
-from .machines import NODE_LOCAL_DIR_ENV, Machines
+from .machines import Machines
 from .memory import MemoryLimit
 from .messages import STATUS_FAULT_NOT_FIRED, STATUS_INTERNAL
 from .policy import Policy, Strategy

@@ -8,10 +8,10 @@ import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
-from ..cluster import cluster_spec_json, replica_name, tf_config_json
+from ..cluster import NODE_LOCAL_DIR_ENV, cluster_spec_json, replica_name, tf_config_json
 from ..errors import ERROR_FILE_ENV
 from ..telemetry import FAILURES_ENV, TELEMETRY_ENV
-from .machines import NODE_LOCAL_DIR_ENV, Placement
+from .machines import Placement
 
 # Pools 0 (primary) and 1 (workers) form the training process group; pools 2 (parameter
 # or reduction servers) and 3 (evaluators) do not.
