@@ -13,6 +13,7 @@ No torch import: the launcher imports this module and must start fast.
 from __future__ import annotations
 
 import functools
+import gc
 import json
 import logging
 import os
@@ -359,6 +360,10 @@ def _report_and_exit(
             traceback.rstrip(),
         )
     _flush_streams()
+    # Leaving: the interpreter's last garbage collection would walk every object torch
+    # and the storage clients made, 1.2 s of exit on a 2-core VM against 0.2 s without it
+    # (the grace period's time, after an emergency save).
+    gc.freeze()
     raise SystemExit(code)
 
 

@@ -227,11 +227,10 @@ class Context:
                            exc=exc, one_line=True)
         for loader in self._loaders.values():   # undo the unfinished step's batches
             loader._rewind_to_boundary()
-        if mgr.last_saved_step != self.step:
-            mgr.save(self.step, blocking=True)
+        committed = mgr.last_saved_step == self.step or mgr.emergency_save(self.step)
         mgr.close()   # waits for a save of this step still in flight, and retention
-        exit_transient(f"{what}; emergency checkpoint of step {self.step}", exc=exc,
-                       one_line=True)
+        exit_transient(f"{what}; emergency checkpoint of step {self.step}" if committed
+                       else f"{what}; {mgr.abandoned}", exc=exc, one_line=True)
 
 
 # How long a dead DataLoader worker waits for this process's SIGTERM (a process group's

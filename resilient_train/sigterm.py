@@ -39,7 +39,12 @@ from types import CodeType, FrameType
 
 logger = logging.getLogger(__name__)
 
+# The SIGTERM-to-SIGKILL grace period the worker can count on, in seconds: set by the
+# launcher (its --grace), read by the emergency save (checkpoint/emergency.py).
+GRACE_ENV = "RESILIENT_TRAIN_SIGTERM_GRACE_S"
+
 _received = threading.Event()
+_received_at: float | None = None    # time.monotonic() of the first SIGTERM noted
 _loader_failure: str | None = None   # a DataLoader worker's death, deferred
 
 # torch's SIGCHLD handler (torch/utils/data/_utils/signal_handling.py) and the module whose
@@ -50,12 +55,27 @@ _DATALOADER_FILE = os.path.join("torch", "utils", "data", "dataloader.py")
 
 def note() -> None:
     """Record a SIGTERM (called from the Python-level handler, so in the main thread)."""
+    global _received_at
+    if _received_at is None:   # the grace period runs from the first one
+        _received_at = time.monotonic()
     _received.set()
     defer_loader_failures()   # from here on, a worker's death raises at a batch only
 
 
 def received() -> bool:
     return _received.is_set()
+
+
+def since() -> float | None:
+    """Seconds since the first SIGTERM was noted (the grace period's clock); None: none."""
+    return None if _received_at is None else time.monotonic() - _received_at
+
+
+def forget() -> None:
+    """Forget a noted SIGTERM (tests: the flag is process-wide)."""
+    global _received_at
+    _received_at = None
+    _received.clear()
 
 
 def wait(timeout_s: float) -> bool:

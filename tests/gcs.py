@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Any
 
 RESET = "reset"
+HOLD_MAX_S = 120.0   # a held request goes on by itself after this: a test never hangs
 
 # --- the emulator ----------------------------------------------------------------------
 
@@ -125,7 +126,7 @@ _HOP_BY_HOP = {"connection", "keep-alive", "proxy-authenticate", "proxy-authoriz
 
 @dataclass
 class _Rule:
-    action: int | str  # an HTTP status, or RESET
+    action: int | str | threading.Event  # an HTTP status, RESET, or hold until set
     remaining: int | None  # None: forever
     method: str | None
     path: Callable[[str], bool] | None
@@ -152,12 +153,15 @@ class FaultProxy:
 
     # -- control
 
-    def inject(self, action: int | str, *, count: int | None = 1, method: str | None = None,
+    def inject(self, action: int | str | threading.Event, *, count: int | None = 1,
+               method: str | None = None,
                path: str | Callable[[str], bool] | None = None) -> None:
         """Answer the next `count` matching requests (None: all) with `action`.
 
-        `action` is an HTTP status or RESET; `path` is a regex searched in the request
-        target (path and query) or a predicate on it; `method` e.g. "POST".
+        `action` is an HTTP status, RESET, or an Event: the request is held until it is
+        set (at most HOLD_MAX_S), then forwarded: a link that stalls. `path` is a regex
+        searched in the request target (path and query) or a predicate on it; `method`
+        e.g. "POST".
         """
         pred: Callable[[str], bool] | None
         if isinstance(path, str):
@@ -225,7 +229,7 @@ class FaultProxy:
 
     # -- used by the handler
 
-    def _decide(self, method: str, target: str) -> int | str | None:
+    def _decide(self, method: str, target: str) -> int | str | threading.Event | None:
         with self._lock:
             for rule in self._rules:
                 if rule.remaining == 0:
@@ -309,6 +313,11 @@ class _ProxyHandler(http.server.BaseHTTPRequestHandler):
             self.close_connection = True
             with contextlib.suppress(OSError):
                 self.connection.close()
+            return
+        if isinstance(action, threading.Event):
+            self.owner._record(method, target, "held")
+            action.wait(HOLD_MAX_S)
+            self._forward(method, target, body)
             return
         if isinstance(action, int):
             self.owner._record(method, target, f"injected {action}")

@@ -463,5 +463,5 @@ def test_sigterm_ends_a_wait_for_peers_that_are_being_stopped_too() -> None:
             primary.barrier(0, "eval", timeout_s=60)
     finally:
         timer.cancel()
-        sigterm._received.clear()   # process-wide: the other tests run after this one
+        sigterm.forget()          # process-wide: the other tests run after this one
         primary.store = None

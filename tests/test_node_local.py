@@ -106,6 +106,45 @@ def test_node_local_options_say_what_is_wrong() -> None:
         rt.CheckpointOptions(node_local="/dev/shm")   # type: ignore[arg-type]
 
 
+def test_auto_cadence_sends_to_storage_as_often_as_its_cost_allows() -> None:
+    from resilient_train.checkpoint.nodelocal import MAX_PERSISTENT_EVERY
+    from resilient_train.checkpoint.nodelocal import persistent_every_auto as k
+
+    day, four_hours = 86400.0, 14400.0
+    # A storage write that fits between two saves costs the loop nothing: every save.
+    assert k(0.1, 5.0, 10.0, day, four_hours) == 1
+    # One that does not makes the next save wait 10 s: Young/Daly for C = 10 s, M = 1 day
+    # (about 1,320 s) in saves 10 s apart.
+    assert k(0.1, 19.9, 10.0, day, four_hours) == 131
+    assert k(0.1, 19.9, 10.0, 3600.0, four_hours) == 26   # failures more often: more often
+    # Bounded by the platform's 4 hours (in saves) and by MAX_PERSISTENT_EVERY.
+    assert k(0.1, 3000.0, 20.0, 100 * day, four_hours) == 720
+    assert k(0.1, 3000.0, 1.0, 100 * day, None) == MAX_PERSISTENT_EVERY
+    with pytest.raises(ValueError, match='persistent_every=.often.*"auto"'):
+        rt.NodeLocal(persistent_every="often")
+
+
+def test_auto_cadence_measures_both_tiers_first_then_spaces_storage(tmp_path: Path,
+                                                                     caplog) -> None:
+    """With steps that cost nothing, a storage write (fsync'd files, manifest and marker)
+    is always longer than the training between two saves: after the first save, which
+    goes to both tiers and measures them, storage gets fewer saves than the machine."""
+    caplog.set_level("INFO", logger="resilient_train.checkpoint.nodelocal")
+    torch.manual_seed(0)
+    model = torch.nn.Linear(64, 64)
+    mgr = rt.CheckpointManager(tmp_path / "persistent", options=rt.CheckpointOptions(
+        save_every_steps=1, node_local=rt.NodeLocal(directory=str(tmp_path / "local"),
+                                                    persistent_every="auto", keep_last=100)))
+    mgr.track(model=model)
+    for step in range(1, 13):
+        mgr.maybe_save(step)
+    mgr.close()
+    assert committed(tmp_path / "local") == list(range(1, 13))
+    stored = committed(tmp_path / "persistent")
+    assert stored[0] == 1 and len(stored) < 12, stored
+    assert "node-local tier: every " in caplog.text and "goes to storage too" in caplog.text
+
+
 def launch(tmp: Path, name: str, *args: str) -> tuple[dict, str, Path]:
     return launch_job(tmp, name, 2, args,
                       [str(HERE / "workers" / "local_tier.py"), "80", "0.03"])

@@ -25,9 +25,11 @@ import json
 import logging
 import math
 import os
+import threading
 import time
 from collections.abc import Callable, Mapping
 from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -51,11 +53,20 @@ from .directory import (
     read_manifest,
     scan,
 )
+from .emergency import CommitGate, Grace, Outcome, SaveAbandoned, remaining
 from .loader import load_verified
 from .manifest import MARKER, CheckpointError, CorruptCheckpointError, FileEntry, Manifest
-from .nodelocal import LocalTier, NodeLocal
+from .nodelocal import LocalTier, NodeLocal, PersistentCadence
 from .peers import PeerMemory, PeerRing, process_memory, tensor_versions
-from .policy import FOUR_HOURS, SavePolicy, check_ceiling, every_n_steps, with_ceiling
+from .policy import (
+    FOUR_HOURS,
+    PRIOR_MTBF_S,
+    SavePolicy,
+    check_ceiling,
+    every_n_steps,
+    resolve_mtbf,
+    with_ceiling,
+)
 from .recovery_plan import Plan, carry_out, loads_rank_state, plan
 from .retention import RetentionPolicy
 from .ringlink import RingLink, local_address, new_token
@@ -76,6 +87,9 @@ from .transfer import broadcast_tree
 from .writer import RankFailure, StepWriter, WriterThread
 
 log = logging.getLogger(__name__)
+
+# How often a wait for the save in flight looks for a SIGTERM that came meanwhile.
+SIGTERM_POLL_S = 0.1
 
 # How long a peer-ring neighbour may take to connect, or to send its state at a step:
 # as long as a collective may take (DistributedOptions.collective_timeout_s's default).
@@ -106,6 +120,10 @@ class CheckpointOptions:
     sync_interval_s: float = 1.0
     # None: not said here (the manager alone: off; under @rt.main: MainOptions decides, on).
     save_on_sigterm: bool | None = None
+    # SIGTERM to SIGKILL: the emergency save commits within it or is abandoned
+    # (emergency.py). None: $RESILIENT_TRAIN_SIGTERM_GRACE_S (the launcher's --grace), else
+    # 30 s (a Spot VM's, the shortest the platform gives).
+    sigterm_grace_s: float | None = None
     metadata: Mapping[str, Any] = field(default_factory=dict)   # JSON, in every manifest
     # Multi-rank: after a peer's restart, restore from the survivors' memory instead of
     # storage (peers.py). Costs each step a ring message of about 15 KB.
@@ -147,6 +165,11 @@ class CheckpointOptions:
                     "rt.NodeLocal(...), or None (no node-local tier)")
         expect_type("CheckpointOptions.save_on_sigterm", self.save_on_sigterm, (bool, NONE),
                     "True or False or None")
+        g = self.sigterm_grace_s
+        if g is not None and not _positive_seconds(g):
+            raise ValueError(f"CheckpointOptions.sigterm_grace_s={g!r}: expected the "
+                             f"SIGTERM-to-SIGKILL grace period in seconds (30 on a Spot VM, "
+                             f"120 on a standard one), or None")
         if not _positive_seconds(self.sync_interval_s):
             raise ValueError(f"CheckpointOptions.sync_interval_s={self.sync_interval_s!r}: "
                              f"expected a positive, finite number of seconds")
@@ -281,8 +304,17 @@ class CheckpointManager:
         if self.options.node_local is not None:
             self._local = LocalTier(self.options.node_local, self.rank, self.world_size,
                                     self._token, self._sharded)
-        self._since_persistent = 0   # saves to the node-local tier only, since the last
+        # Which saves go to the persistent tier too (every save without a node-local one).
+        self._cadence = PersistentCadence(self.options.node_local, self.options.max_interval_s) \
+            if self.options.node_local is not None else None
+        self._mtbf = resolve_mtbf() if self._cadence is not None else (PRIOR_MTBF_S, "prior")
         self._local_received = 0     # bytes of a node-local restore sent by other ranks
+        self._local_step: int | None = None   # the last step committed to the node-local tier
+        # SIGTERM: the emergency save's deadline, and the gate that refuses a late commit.
+        self._grace = Grace.resolve(self.options.sigterm_grace_s)
+        self._gate = CommitGate()
+        self.abandoned = ""   # why the emergency save was abandoned, for the exit's line
+        self.left_behind: threading.Thread | None = None   # its writer, left to the exit
 
     # --- what the scheduler owns, where callers read it ----------------------------------
 
@@ -336,12 +368,10 @@ class CheckpointManager:
         decision = self.scheduler.decide(step)
         if decision is Decision.SKIP:
             return False
-        emergency = decision is Decision.EMERGENCY
-        # An emergency save goes to storage too: a preemption or a maintenance event takes
-        # the machine, and its disk, with it.
-        self.save(step, blocking=emergency, persistent=emergency or self._persistent_due())
-        if emergency:
-            self._exit_after_emergency(step)
+        if decision is Decision.EMERGENCY:
+            self._exit_after_emergency(step, self.emergency_save(step))
+        else:
+            self.save(step, persistent=self._persistent_due())
         return True
 
     # --- saving -----------------------------------------------------------------------
@@ -349,8 +379,11 @@ class CheckpointManager:
     def _persistent_due(self) -> bool:
         """Whether a save by policy goes to the persistent tier as well as the node-local
         one (always, without a node-local tier)."""
-        node_local = self.options.node_local
-        return node_local is None or self._since_persistent + 1 >= node_local.persistent_every
+        if self._cadence is None:
+            return True
+        sched = self.scheduler
+        mtbf = self._mtbf if sched.shared_mtbf is None else (sched.shared_mtbf, "observed")
+        return self._cadence.due(*sched.shared_tier_s, sched.policy_interval, mtbf)
 
     def save(self, step: int, *, blocking: bool | None = None, persistent: bool = True) -> None:
         """Save now. Blocks only for the in-memory snapshot unless ``blocking`` (or the
@@ -359,23 +392,29 @@ class CheckpointManager:
         if self._error is not None:
             self._raise_error()
         t_wait = time.perf_counter()
-        self.wait()
+        self._wait_or_leave()
+        sync = bool(blocking or (blocking is None and not self.options.async_save))
+        self._save(step, sync=sync, persistent=persistent,
+                   overlap=self.options.overlap_snapshot)
+        self.scheduler.measured(time.perf_counter() - t_wait)   # a blocking save: its write too
+
+    def _save(self, step: int, *, sync: bool, persistent: bool, overlap: bool) -> None:
+        """Snapshot and write (``sync``) or hand to the writer thread; the last save done."""
         t0 = time.perf_counter()
         tree: dict[str, Any] = {"rank": self._rank_state()}
         staged = self._sharded.stage(self._tracked)  # None unless some state is a DTensor
         local = self._local is not None and staged is None   # sharded: persistent only
         persistent = persistent or not local
-        self._since_persistent = 0 if persistent else self._since_persistent + 1
+        if self._cadence is not None:
+            self._cadence.saved(persistent)
         if self.is_primary or local:   # a machine's copy holds the replicated state too
             tree["shared"] = staged.replicated if staged else collect(self._tracked)
         check_weights_only(tree, where="checkpoint state")
-        sync = bool(blocking or (blocking is None and not self.options.async_save))
         # A blocking save writes the live state (nothing can change it meanwhile); an async
         # one copies it into reused host buffers first, and that copy is all it blocks for.
         # Accelerator state always goes through the host copy, so every file holds CPU
         # tensors: torch.load(weights_only=True) reads it on a machine without a GPU.
-        defer = self._deferrable() if not sync and self.options.overlap_snapshot else \
-            frozenset()
+        defer = self._deferrable() if not sync and overlap else frozenset()
         snap = tree if sync and tree_on_host(tree) else self._snapshot.snapshot(tree,
                                                                                 defer=defer)
         if staged is not None:
@@ -389,7 +428,89 @@ class CheckpointManager:
         else:
             self._inflight = self._thread.submit(self._write_guarded, step, snap, local,
                                                  persistent)
-        self.scheduler.measured(time.perf_counter() - t_wait)   # a blocking save: its write too
+
+    def emergency_save(self, step: int) -> bool:
+        """SIGTERM: save ``step`` to every tier, the fastest first, and have it committed
+        before the grace period ends (emergency.py); True once it is. False: abandoned at
+        the deadline (logged), and the last committed step stays the latest."""
+        if self._error is not None:
+            self._raise_error()
+        # The ranks' agreed clock; the handler's own when no step boundary agreed on it.
+        elapsed = max(self.scheduler.sigterm_elapsed_s, self.scheduler.watch.elapsed() or 0.0)
+        budget = self._grace.budget(elapsed)
+        deadline = time.monotonic() + budget
+        # The save before it (its host buffers are reused), then this one.
+        if budget > 0 and self._finished_by(self._inflight, deadline):
+            self.wait()
+            self._save(step, sync=False, persistent=True, overlap=False)
+            done = self._inflight
+            if self.world_size > 1:   # and the primary's commit, which ends the save
+                done = self._thread.submit(self._await_commit)
+            if self._finished_by(done, deadline):
+                self.wait()
+                return True
+        return self._abandon(step, budget)
+
+    def _wait_or_leave(self) -> None:
+        """wait(); but once a SIGTERM has come (before or during the wait), only until its
+        deadline: then the save in flight is abandoned and this rank leaves (exit 134)."""
+        fut, watch = self._inflight, self.scheduler.watch
+        while fut is not None and self.options.save_on_sigterm and not watch.received:
+            try:   # slices: the handler runs during the wait but cannot end it
+                fut.result(timeout=SIGTERM_POLL_S)
+                break
+            except FutureTimeout:
+                continue
+        if fut is not None and watch.received:
+            budget = self._grace.budget(watch.elapsed() or 0.0)
+            if not self._finished_by(fut, time.monotonic() + budget):
+                step = self.scheduler.last_save_step or 0   # the step that save writes
+                self._exit_after_emergency(step, self._abandon(step, budget))
+        self.wait()
+
+    @staticmethod
+    def _finished_by(fut: Future[None] | None, deadline: float) -> bool:
+        if fut is None:
+            return True
+        try:
+            fut.result(timeout=remaining(deadline))
+        except FutureTimeout:
+            return False
+        return True
+
+    def _await_commit(self) -> None:
+        """Writer thread: the ranks wait for the primary, which commits before it joins."""
+        try:
+            self.coord.allreduce_max([0])
+        except Exception as exc:  # noqa: BLE001 - a peer lost meanwhile: raised by wait()
+            self._error = self._error or exc
+
+    def _abandon(self, step: int, budget: float) -> bool:
+        """The deadline passed: refuse the commit, leave the writer thread to the exit.
+        True when the step's commit got in first after all."""
+        outcome = self._gate.close(step, timeout_s=self._grace.reserve_s / 2)
+        # A daemon thread; what it was writing is never committed.
+        self.left_behind = self._thread.abandon()
+        self._thread = WriterThread("rt-ckpt-writer")
+        self._inflight = None
+        if self.is_primary and outcome is Outcome.COMMITTED:
+            return True
+        before = "none" if self.last_commit_step is None else f"step {self.last_commit_step}"
+        if self.is_primary and outcome is Outcome.ABANDONED:
+            last = f"{before} stays the latest"
+        else:   # the primary commits: only it knows whether the marker lands
+            last = f"the latest is step {step} if its commit landed, else {before}"
+        local = f"; step {step} is on this machine's node-local disk" \
+            if self._local_step == step else ""
+        spent = f"the grace period, {self._grace.describe()}, had " + (
+            f"{budget:.1f} s left for it" if budget > 0 else "no time left for it")
+        what = "was abandoned" if outcome is Outcome.ABANDONED else \
+            "was still committing at the deadline"
+        self.abandoned = (f"the checkpoint of step {step} {what}: not committed "
+                          f"in time ({spent}); {last}{local}")
+        if not self.scheduler.sigterm_received:   # the signalled rank says it as it exits
+            log.warning("SIGTERM on a peer: %s", self.abandoned)
+        return False
 
     def _before_optimizer_step(self, *_: Any) -> None:
         # A failed copy is the save's failure: the writer raises it, not the training step.
@@ -482,6 +603,8 @@ class CheckpointManager:
                        persistent: bool) -> None:
         try:
             self._write_tiers(step, snap, local, persistent)
+        except SaveAbandoned:   # expected: the emergency save's deadline passed (logged)
+            return
         except BaseException as exc:  # never lost: raised on the next call
             log.error("checkpoint save of step %d failed: %s", step, exc)
             self._error = exc
@@ -497,14 +620,19 @@ class CheckpointManager:
             assert self._local is not None
             try:
                 self._snapshot.wait()   # its deferred copies (an overlapped snapshot)
+                t0 = time.perf_counter()
                 self._local.write(step, snap, self._partner_copy(step))
+                self.scheduler.wrote(0, time.perf_counter() - t0)
+                self._local_step = step
             except Exception as exc:
                 log.warning("node-local checkpoint of step %d in %s failed: %s", step,
                             self._local.url, exc)
         if persistent:
             if not self.is_primary:
                 snap = {k: v for k, v in snap.items() if k != "shared"}   # the primary's
+            t0 = time.perf_counter()
             self._write(step, snap)
+            self.scheduler.wrote(1, time.perf_counter() - t0)
 
     def _partner_copy(self, step: int) -> tuple[int, dict[str, Any]] | None:
         """The previous rank's per-rank state of ``step`` that the peer ring gave this
@@ -610,7 +738,8 @@ class CheckpointManager:
                             layout=SHARDED_LAYOUT if sharded else "replicated",
                             files=files, library=f"resilient-train {__version__}",
                             metadata=dict(self.options.metadata))
-        committed_as = self.committer.commit(work, manifest)
+        with self._gate.commit(step):   # refused after an emergency save's deadline
+            committed_as = self.committer.commit(work, manifest)
         self.last_commit_step = step
         self.known.commit(committed_as)
         log.info("checkpoint step %d committed to %s", step, self.storage.url_of(committed_as))
@@ -730,8 +859,9 @@ class CheckpointManager:
         self._local_received = got.nbytes
         # Saves since the last persistent one, alike on every rank (they must all decide
         # alike which save goes to storage): the holder's, up to the restored step.
-        self._since_persistent = sum(1 for s in reports[the_plan.holder].own
-                                     if s <= got.step and (newest is None or s > newest))
+        assert self._cadence is not None
+        self._cadence.since = sum(1 for s in reports[the_plan.holder].own
+                                  if s <= got.step and (newest is None or s > newest))
         log.info("restored checkpoint step %d from the node-local tier%s", got.step,
                  "" if got.from_rank is None else f" (rank {got.from_rank}'s machine)")
         return got.step, "", got.from_rank
@@ -874,15 +1004,12 @@ class CheckpointManager:
 
     # --- SIGTERM ----------------------------------------------------------------------
 
-    def _exit_after_emergency(self, step: int) -> None:
+    def _exit_after_emergency(self, step: int, committed: bool) -> None:
+        """The signalled rank leaves (exit 134), saying whether its save committed; the
+        others saved with it and go on (they learn of its exit at the next collective)."""
         from ..errors import exit_transient
 
-        if self.world_size > 1:
-            # A non-primary's blocking save returns once the primary has its file list, before
-            # the commit: wait for the primary here, so no rank leaves (and gets the job torn
-            # down) before the marker is written.
-            self.coord.allreduce_max([0])
-        if self.scheduler.sigterm_received:  # only the signalled rank leaves; the others
-            self.close()                     # saved with it
-            exit_transient(f"SIGTERM: emergency checkpoint of step {step} committed",
-                           one_line=True)
+        if self.scheduler.sigterm_received:
+            self.close()
+            exit_transient(f"SIGTERM: emergency checkpoint of step {step} committed"
+                           if committed else f"SIGTERM: {self.abandoned}", one_line=True)

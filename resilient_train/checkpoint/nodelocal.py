@@ -6,7 +6,8 @@ the disk allows, often ten times less, but is lost with the machine. With
 ``CheckpointOptions(node_local=NodeLocal(...))`` every save goes to the node-local tier
 and every ``persistent_every``-th save (and every emergency and final save) to the
 persistent tier too, from the same host snapshot. One policy says when to save, this says
-where.
+where; ``persistent_every="auto"`` derives K from the tiers' measured write times and the
+MTBF (:func:`persistent_every_auto`).
 
 Every rank writes its own complete copy into its machine's directory (the replicated
 state, its own per-rank file, and the copy of the previous rank's per-rank state that the
@@ -38,6 +39,7 @@ from typing import Any
 
 from .. import __version__
 from ..cluster import NODE_LOCAL_DIR_ENV
+from ..text import format_duration
 from ..validate import NONE, expect_type
 from .commit import committer_for, remove_crashed_saves
 from .directory import (
@@ -51,6 +53,7 @@ from .directory import (
 )
 from .loader import load_verified
 from .manifest import CheckpointError, CorruptCheckpointError, Manifest
+from .policy import daly_interval
 from .recovery_plan import Plan, Report, dumps_rank_state
 from .retention import RetentionPolicy
 from .sharded import ShardedCheckpointer
@@ -61,14 +64,19 @@ log = logging.getLogger(__name__)
 
 
 
+AUTO = "auto"
+MAX_PERSISTENT_EVERY = 1000   # Orbax's example ratio is 100 (every 10 and every 1,000)
+
+
 @dataclass(frozen=True)
 class NodeLocal:
     """Where and how often the node-local tier saves."""
 
     # None: $RESILIENT_TRAIN_NODE_LOCAL_DIR/checkpoints (set by resilient-train launch).
     directory: str | None = None
-    # Every N-th save also goes to the persistent tier (1: every save goes to both).
-    persistent_every: int = 10
+    # Every N-th save also goes to the persistent tier (1: every save goes to both);
+    # "auto": N from the tiers' measured costs and the MTBF (persistent_every_auto).
+    persistent_every: int | str = 10
     keep_last: int = 1        # committed steps kept on the machine
 
     def __post_init__(self) -> None:
@@ -76,8 +84,11 @@ class NodeLocal:
                     "a local path such as /dev/shm/ckpt or /mnt/localssd/ckpt, or None")
         for name in ("persistent_every", "keep_last"):
             v = getattr(self, name)
+            if name == "persistent_every" and v == AUTO:
+                continue
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise ValueError(f"NodeLocal.{name}={v!r}: expected a whole number >= 1")
+                also = ", or \"auto\"" if name == "persistent_every" else ""
+                raise ValueError(f"NodeLocal.{name}={v!r}: expected a whole number >= 1{also}")
         if self.directory is not None and "://" in self.directory:
             raise ValueError(f"NodeLocal.directory={self.directory!r} is a URL: the node-local "
                              f"tier is the machine's own disk (a local path); the persistent "
@@ -94,6 +105,69 @@ class NodeLocal:
                 f"{NODE_LOCAL_DIR_ENV}, which is not set (resilient-train launch sets it): "
                 f"give NodeLocal(directory='/dev/shm/ckpt') or another path on a local disk")
         return os.path.join(base, "checkpoints")
+
+
+def persistent_every_auto(local_s: float, persistent_s: float, interval_s: float,
+                          mtbf_s: float, ceiling_s: float | None) -> int:
+    """How many saves apart the persistent ones should be, from what the tiers cost.
+
+    Every save writes the node-local tier (``local_s`` seconds on the writer thread); a
+    persistent one writes storage too (``persistent_s`` more). The policy puts
+    ``interval_s`` of training between two saves, and one save is in flight at a time, so
+    a write longer than that makes the next save wait: a persistent save costs the loop
+    ``C = max(0, local + persistent - interval) - max(0, local - interval)``. It is needed
+    only where the faster tiers are gone (a new VM with no live peer, a job retry), and
+    the persistent saves' own interval is then Young/Daly's optimum for that ``C`` and the
+    job's MTBF (policy.daly_interval), in saves: ``K = daly(C, M) / interval``. A write
+    that fits in the interval costs nothing, and K is 1. K is at most
+    MAX_PERSISTENT_EVERY, and at most the saves in ``ceiling_s`` (the platform's 4 hours:
+    the persistent copy, the one that outlives the VM, is what must be that fresh).
+    """
+    cost = max(0.0, local_s + persistent_s - interval_s) - max(0.0, local_s - interval_s)
+    k = 1.0
+    if cost > 0 and interval_s > 0:
+        k = daly_interval(cost, mtbf_s) / interval_s
+    if ceiling_s is not None and interval_s > 0:
+        k = min(k, ceiling_s / interval_s)
+    return int(min(max(1.0, round(k)), MAX_PERSISTENT_EVERY))
+
+
+class PersistentCadence:
+    """Which saves also go to the persistent tier: every ``NodeLocal.persistent_every``-th,
+    or, with "auto", every K-th for the K of :func:`persistent_every_auto` on measured
+    costs (the same on every rank: the scheduler agrees on them). Logs each change of K."""
+
+    def __init__(self, options: NodeLocal, ceiling_s: float | None) -> None:
+        self.fixed = options.persistent_every if options.persistent_every != AUTO else None
+        self.ceiling_s = ceiling_s
+        self.k = self.fixed or 1   # auto: the first save measures both tiers
+        self.since = 0             # saves to the node-local tier only, since the last
+
+    def due(self, local_s: float | None, persistent_s: float | None,
+            interval_s: float | None, mtbf: tuple[float, str]) -> bool:
+        """Whether the next save goes to the persistent tier too."""
+        if self.fixed is None and None not in (local_s, persistent_s, interval_s):
+            assert local_s is not None and persistent_s is not None and interval_s is not None
+            k = persistent_every_auto(local_s, persistent_s, interval_s, mtbf[0],
+                                      self.ceiling_s)
+            if k != self.k:
+                log.info("node-local tier: %s goes to storage too (a storage write "
+                         "takes %s, a node-local one %s, saves come every %s, mean time "
+                         "between failures %s, %s)",
+                         "every save" if k == 1 else f"every {k}{_nth(k)} save",
+                         format_duration(persistent_s), format_duration(local_s),
+                         format_duration(interval_s), format_duration(mtbf[0]), mtbf[1])
+                self.k = k
+        return self.since + 1 >= self.k
+
+    def saved(self, persistent: bool) -> None:
+        self.since = 0 if persistent else self.since + 1
+
+
+def _nth(k: int) -> str:
+    return "" if k == 1 else ("st" if k % 10 == 1 and k % 100 != 11 else
+                              "nd" if k % 10 == 2 and k % 100 != 12 else
+                              "rd" if k % 10 == 3 and k % 100 != 13 else "th")
 
 
 def partner_file(rank: int) -> str:

@@ -55,8 +55,16 @@ class SigtermWatch:
         def on_sigterm(signum: int, frame: Any) -> None:
             self.received = True
             sigterm.note()  # for the waits on peers, which must not outlast the grace period
+                            # (and the grace period's clock: since())
 
         self._old = signal.signal(signal.SIGTERM, on_sigterm)
+
+    def elapsed(self) -> float | None:
+        """Seconds since the SIGTERM (None: none): how much of its grace period is gone."""
+        if not self.received:
+            return None
+        since = sigterm.since()
+        return 0.0 if since is None else since
 
     def close(self) -> None:
         """Put back the handler that was there before."""
@@ -97,6 +105,15 @@ class SaveScheduler:
         self._shared_now = 0.0
         self._shared_save_cost: float | None = None
         self._shared_mtbf: float | None = None
+        # Seconds since the SIGTERM, the earliest-signalled rank's, as of the decision to
+        # save in an emergency: every rank plans the save for the same deadline.
+        self.sigterm_elapsed_s = 0.0
+        # The node-local tier's cadence (nodelocal.PersistentCadence): this rank's write
+        # times per tier (EMAs, from the writer thread), the slowest rank's as agreed, and
+        # the time between two saves on the agreed clock.
+        self._tier_s: list[float | None] = [None, None]     # node-local, persistent
+        self.shared_tier_s: tuple[float | None, float | None] = (None, None)
+        self.save_interval: float | None = None
         self.next_sync_step = 0          # the step of the next agreement (0: the next one)
         self._step_time = 0.0
         self._last_step_clock: float | None = None
@@ -133,6 +150,8 @@ class SaveScheduler:
         if not self._multi:
             now = self.clock()
             emergency = self.watch.received
+            self.sigterm_elapsed_s = self.watch.elapsed() or 0.0
+            self.shared_tier_s = (self._tier_s[0], self._tier_s[1])
             cost = self.save_cost
             if now >= self._next_mtbf_read:   # a stat() per second, not per step
                 self._next_mtbf_read = now + self.sync_interval_s
@@ -163,18 +182,49 @@ class SaveScheduler:
         my_cost = -1 if self.save_cost is None else int(self.save_cost * 1e6)
         mtbf = self._observed.at(my_now / 1000.0) if self._observed else None
         my_mtbf = -1 if mtbf is None else int(mtbf * 1000)   # the primary's only
-        now_ms, stride, sigterm_, cost_us, mtbf_ms = self.coord.allreduce_max(
-            [my_now, stride, int(self.watch.received), my_cost, my_mtbf])
+        elapsed = self.watch.elapsed()
+        my_sigterm = -1 if elapsed is None else int(elapsed * 1000)
+        my_tiers = [-1 if t is None else int(t * 1000) for t in self._tier_s]
+        now_ms, stride, sigterm_ms, cost_us, mtbf_ms, local_ms, persistent_ms = \
+            self.coord.allreduce_max([my_now, stride, my_sigterm, my_cost, my_mtbf, *my_tiers])
+        self.shared_tier_s = tuple(None if t < 0 else t / 1000.0   # type: ignore[assignment]
+                                   for t in (local_ms, persistent_ms))
+        self.sigterm_elapsed_s = max(0, sigterm_ms) / 1000.0
         self._shared_now = now_ms / 1000.0
         self._shared_save_cost = None if cost_us < 0 else cost_us / 1e6
         self._shared_mtbf = None if mtbf_ms < 0 else mtbf_ms / 1000.0
         self.next_sync_step = step + stride
-        return self._shared_now, bool(sigterm_)
+        return self._shared_now, sigterm_ms >= 0
 
     def saving(self, step: int) -> None:
         """A save of ``step`` starts now: the policy's clock restarts."""
+        now = self._shared_now if self._multi else self.clock()
+        if self.last_save_step is not None and now > self._last_save_time:
+            dt = now - self._last_save_time
+            self.save_interval = dt if self.save_interval is None else \
+                0.7 * self.save_interval + 0.3 * dt
         self.last_save_step = step
-        self._last_save_time = self._shared_now if self._multi else self.clock()
+        self._last_save_time = now
+
+    @property
+    def policy_interval(self) -> float | None:
+        """The time from one save to the next that the policy gives: between two saves,
+        less what a save blocks the loop (waiting for the one before included). The same
+        on every rank (the agreed clock and cost)."""
+        cost = self._shared_save_cost if self._multi else self.save_cost
+        if self.save_interval is None:
+            return None
+        return max(1e-3, self.save_interval - (cost or 0.0))
+
+    @property
+    def shared_mtbf(self) -> float | None:
+        """The job's observed MTBF, as agreed (None: not known)."""
+        return self._shared_mtbf
+
+    def wrote(self, tier: int, seconds: float) -> None:
+        """The writer thread wrote a step to ``tier`` (0: node-local, 1: persistent)."""
+        old = self._tier_s[tier]
+        self._tier_s[tier] = seconds if old is None else 0.7 * old + 0.3 * seconds
 
     def measured(self, cost_s: float) -> None:
         """What the save just taken blocked the training loop for."""

@@ -198,6 +198,14 @@ class WriterThread:
                 except BaseException as exc:  # handed to whoever waits on the future
                     fut.set_exception(exc)
 
+    def abandon(self) -> threading.Thread | None:
+        """Stop taking jobs without waiting for the one running (left to the exit: an
+        emergency save past its deadline, whose commit is refused); returns its thread."""
+        thread, self._thread = self._thread, None
+        if thread is not None:
+            self._jobs.put(None)
+        return thread
+
     def shutdown(self) -> None:
         if self._thread is not None:
             self._jobs.put(None)

@@ -159,7 +159,7 @@ class Launcher:
             job_id=options.job_name, replicas=listed, master_addr="127.0.0.1",
             master_port=free_port(),  # outside the ephemeral range: see ports.py
             output_base=output.rstrip("/"), job_dir=str(self.job_dir),
-            launch_id=uuid.uuid4().hex, running=len(self.replicas))
+            launch_id=uuid.uuid4().hex, running=len(self.replicas), grace_s=options.grace)
         self.workers: dict[str, Worker] = {}
         self._trees: ProcessTrees | None = None   # while run() runs
         self._delayed: list[tuple[float, StartWorker]] = []

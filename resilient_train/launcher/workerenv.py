@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 
 from ..cluster import NODE_LOCAL_DIR_ENV, cluster_spec_json, replica_name, tf_config_json
 from ..errors import ERROR_FILE_ENV
+from ..sigterm import GRACE_ENV
 from ..telemetry import FAILURES_ENV, TELEMETRY_ENV
 from .machines import Placement
 
@@ -64,6 +65,8 @@ class JobEnv:
     # replicas' environment carries it: never the job record, the logs or a repr.
     job_secret: str = field(default_factory=lambda: secrets.token_hex(32), repr=False)
     running: int = 0   # replicas that run on this machine (0: all of ``replicas``)
+    # SIGTERM to SIGKILL (the launcher's --grace): what an emergency save plans for.
+    grace_s: float | None = None
 
 
 LOCAL_PROJECT_NUMBER = "000000000000"
@@ -107,6 +110,8 @@ def worker_env(job: JobEnv, replica: Replica, *, attempt: int, restart: int,
     })
     if job.launch_id:
         env[LAUNCH_ID_ENV] = job.launch_id
+    if job.grace_s is not None:
+        env[GRACE_ENV] = f"{job.grace_s:g}"
     # A secret the user set (the job spec's env, as on the platform) wins: it is the same
     # for every replica too.
     if not env.get(SECRET_ENV, "").strip():
