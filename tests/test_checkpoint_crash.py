@@ -41,7 +41,8 @@ from ckpt_workers import crash_model
 
 from resilient_train.checkpoint.directory import scan, verify_step
 from resilient_train.checkpoint.manager import CheckpointManager, CheckpointOptions
-from resilient_train.checkpoint.storage import RetryOptions
+from resilient_train.checkpoint.nodelocal import NodeLocal
+from resilient_train.checkpoint.storage import RetryOptions, Storage
 
 pytestmark = pytest.mark.slow
 
@@ -58,6 +59,7 @@ class Config:
     numel: int           # float32 elements in the model (4 tensors)
     train_s: float       # simulated compute per step
     max_delay_s: float   # kill instants are uniform in [0, max_delay_s] after the restore
+    node_local: bool = False   # every save to a node-local tier, every third to storage
 
     def describe(self) -> str:
         return (f"{'async' if self.async_save else 'sync'} {self.numel * 4 // MIB} MiB "
@@ -88,6 +90,14 @@ GCS_CONFIGS = [
     Config(False, (3 * MIB) // 2, 0.0, 1.0),
 ]
 GCS_KILLS_PER_BUCKET = 10  # 3 buckets x 10 kills = 30 kills
+
+# A node-local tier beside a local persistent directory: kills land in either tier's write.
+NODE_LOCAL_CONFIGS = [
+    Config(False, MIB // 2, 0.005, 0.30, node_local=True),
+    Config(True, MIB, 0.010, 0.30, node_local=True),
+    Config(True, MIB // 4, 0.0, 0.20, node_local=True),
+]
+NODE_LOCAL_KILLS_PER_DIR = 10
 
 
 # --- the worker ----------------------------------------------------------------------------
@@ -178,13 +188,17 @@ class Directory:
     url: str
     storage_options: dict[str, Any] | None
     config: Config
-    work: Path                   # report and error files
+    work: Path                   # report and error files (and the node-local tier)
     restored: int | None = None  # what the test restored after the last kill
     runs: int = 0
 
     @property
     def report(self) -> Path:
         return self.work / "committed.txt"
+
+    @property
+    def node_local(self) -> str | None:
+        return str(self.work / "node-local") if self.config.node_local else None
 
     @property
     def errors(self) -> Path:
@@ -207,7 +221,8 @@ def kill_once(saver: Saver, d: Directory, delay: float) -> dict[str, Any]:
     answer = saver.run(url=d.url, storage_options=d.storage_options,
                        async_save=d.config.async_save, numel=d.config.numel,
                        train_s=d.config.train_s, keep_last=2, report=str(d.report),
-                       error_file=str(d.errors), kill_after_s=delay)
+                       error_file=str(d.errors), kill_after_s=delay,
+                       node_local=d.node_local)
     d.runs += 1
     errors = d.errors.read_text() if d.errors.exists() else ""
     assert answer["signal"] == 9 and not answer["died_early"], (
@@ -228,15 +243,21 @@ def check_directory(d: Directory) -> None:
 
     model = crash_model.build(numel, fill=float("nan"))  # a restore must overwrite all of it
     mgr = CheckpointManager(d.url, options=CheckpointOptions(
-        retry=FAST, storage_options=d.storage_options, async_save=False))
+        retry=FAST, storage_options=d.storage_options, async_save=False,
+        node_local=NodeLocal(directory=d.node_local, keep_last=2) if d.node_local else None))
     try:
         mgr.track(model=model)
         restored = mgr.restore_latest()
-        infos = scan(mgr.storage)
-        committed = [i for i in infos if i.committed]
-        for info in committed:
-            checked = verify_step(mgr.storage, info)
-            assert checked.ok, f"committed step {info.name} does not verify: {checked.problems}"
+        tiers = [mgr.storage] + ([Storage(d.node_local)] if d.node_local else [])
+        committed = []
+        for storage in tiers:   # every committed step of every tier verifies
+            for info in scan(storage):
+                if not info.committed:
+                    continue
+                committed.append(info)
+                checked = verify_step(storage, info)
+                assert checked.ok, (f"committed step {info.name} in {storage.url} does not "
+                                    f"verify: {checked.problems}")
         if restored is None:
             assert not committed and not committed_reports, (committed, committed_reports)
         else:
@@ -315,6 +336,24 @@ def test_sigkill_during_saves_local_disk(savers: list[Saver], tmp_path: Path) ->
     # Not vacuous: after most kills there was a commit to restore and check.
     assert sum(a["restored_after"] is not None for a in answers) >= 50
     assert sum(d.restored is not None for d in dirs) >= 8, [d.restored for d in dirs]
+
+
+def test_sigkill_during_saves_with_a_node_local_tier(savers: list[Saver],
+                                                     tmp_path: Path) -> None:
+    """Kills in the node-local tier's write as well as in the persistent one's: neither
+    tier ever holds a torn step that a restore would pick, and the restore takes the
+    newest step of either (the machine's disk usually, as a restart in place does)."""
+    dirs = [Directory(str(tmp_path / f"ckpt-{i}"), None, c, tmp_path / f"work-{i}")
+            for i, c in enumerate(NODE_LOCAL_CONFIGS)]
+    answers = crash_loop(savers, dirs, NODE_LOCAL_KILLS_PER_DIR, SEED + 2)
+    places = summarise("node-local tier + local disk", answers, dirs)
+    assert len(answers) == 30
+    assert sum(n for k, n in places.items() if k.startswith("mid-save")) >= 10, places
+    assert places["mid-save: node-local"] >= 3 and places["mid-save: data"] >= 1, places
+    assert sum(a["restored_after"] is not None for a in answers) >= 20
+    # The node-local tier was where most restores came from: steps storage never got.
+    assert sum(1 for d in dirs if d.restored is not None and d.restored % 3) >= 1, \
+        [d.restored for d in dirs]
 
 
 def test_sigkill_during_saves_gcs_emulator(savers: list[Saver], tmp_path: Path,

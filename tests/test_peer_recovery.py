@@ -156,33 +156,78 @@ def restores(job_dir: Path) -> list[dict]:
 
 
 @pytest.mark.slow
-def test_three_workers_lose_a_worker_their_primary_and_an_attempt_and_end_bitwise(
-        tmp_path: Path) -> None:
+def test_a_rank_killed_in_the_middle_of_a_peer_transfer_leaves_nothing_torn(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Rank 1 is lost at step 30; its new process is killed while it receives the model,
+    and the survivors, whose memory the transfer never touched, give it again. Rank 2 is
+    lost at step 60, and the rank sending the model is killed while it sends: a rank's
+    RNG and values were on it alone, so the restore reads storage (step 50), and says
+    why. The run ends bitwise equal to one without faults."""
+    monkeypatch.setenv("PEER_DDP_KILL_IN_TRANSFER", "receiver:30,sender:60")
+    monkeypatch.setenv("PEER_DDP_MARKS", str(tmp_path))
+    _, _, clean = launch(tmp_path, "clean", None)
+    job, out, faulted = launch(tmp_path, "faulted", "kill:workerpool1-0@step30,"
+                                                    "kill:workerpool1-1@step60")
+    assert job["state"] == "JOB_STATE_SUCCEEDED", out[-3000:]
+    assert out.count("killed in the middle of a peer transfer") == 2, out[-3000:]
+    events = [e for e in restores(faulted) if "attempt-1" in e["life"]]
+    by_generation: dict[int, list[dict]] = {}
+    for e in events:
+        by_generation.setdefault(e["generation"], []).append(e)
+    done = [g for g in sorted(by_generation) if len(by_generation[g]) == 3]
+    # A generation whose transfer was cut has no complete restore; the ones that finished:
+    peers_ = [by_generation[g] for g in done if {e["source"] for e in
+                                                 by_generation[g]} == {"peer"}]
+    stored = [by_generation[g] for g in done if {e["source"] for e in
+                                                 by_generation[g]} == {"persistent"}]
+    assert peers_ and peers_[0][0]["step"] in (30, 31), events
+    assert any(e["from_rank"] is not None and "workerpool1-0.restart-2" in e["life"]
+               for e in peers_[0]), peers_[0]     # the second new process got it
+    assert len(stored) == 1 and stored[0][0]["step"] == 50, events
+    assert all("RNG and values of step" in e["reason"] for e in stored[0]), stored
+    assert_same_end(clean, faulted, ranks=3)
+
+
+@pytest.mark.slow
+def test_three_workers_survive_every_kind_of_fault_in_one_run_and_end_bitwise(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """One run of a 3-worker DDP job with a node-local tier (every 2nd save to storage)
+    that loses: rank 2's node, the primary's node (and the store with it), rank 1 to a
+    maintenance move (SIGTERM, an emergency save, then a new VM: its disk wiped), rank 2
+    to a preemption (the same) and, last, the attempt (a job retry: every process and
+    disk new). The first four restore from the survivors' memory; the retry reads the
+    persistent tier once. It ends bitwise equal to a run without faults."""
+    monkeypatch.setenv("PEER_DDP_NODE_LOCAL", "2")
     _, _, clean = launch(tmp_path, "clean", None)
     job, out, faulted = launch(tmp_path, "faulted", ",".join([
-        "kill:workerpool1-1@step30",    # rank 2's node: peers restore it
-        "kill:workerpool0-0@step55",    # the primary, and the store with it: peers again
-        "internal@step70",              # the attempt fails: every process is new, storage
+        "kill:workerpool1-1@step20",          # rank 2's node: peers restore it
+        "kill:workerpool0-0@step35",          # the primary, and the store with it: peers
+        "maintenance:workerpool1-0@step50",   # SIGTERM, emergency save, a new VM: peers
+        "preempt:workerpool1-1@step65",       # the same, as a preemption
+        "internal@step80",                    # the attempt fails: every process is new
     ]))
     assert job["state"] == "JOB_STATE_SUCCEEDED"
     assert len(job["attempts"]) == 2, out[-3000:]
+    assert out.count("emergency checkpoint of step") >= 2, out[-3000:]
     events = restores(faulted)
-    first, second = [[e for e in events if e["generation"] == g and "attempt-1" in e["life"]]
-                     for g in (1, 2)]
-    for recovery, lost_rank in ((first, 2), (second, 0)):
+    in_memory = [[e for e in events if e["generation"] == g and "attempt-1" in e["life"]]
+                 for g in (1, 2, 3, 4)]
+    lost = ("workerpool1-1", "workerpool0-0", "workerpool1-0", "workerpool1-1")
+    for recovery, replica in zip(in_memory, lost):
         assert len(recovery) == 3, events
         assert {e["source"] for e in recovery} == {"peer"}, events   # every rank
         assert {e["step"] for e in recovery} == {recovery[0]["step"]}
-        assert any(f"workerpool{'0-0' if lost_rank == 0 else '1-1'}.restart-1" in e["life"]
-                   and e["from_rank"] is not None for e in recovery), recovery
+        assert any(f"{replica}.restart-" in e["life"] and e["from_rank"] is not None
+                   for e in recovery), recovery
         assert all(e["bytes_read"]["persistent"] == 0 for e in recovery)
         receivers = [e for e in recovery if e["from_rank"] is not None]
         assert len(receivers) >= 1 and all(e["bytes_read"]["peer"] > 0 for e in receivers)
     # Peers restore the step the primary had reached (checkpoints are every 25 steps).
-    assert first[0]["step"] in (30, 31) and second[0]["step"] in (55, 56), events
+    assert [r[0]["step"] for r in in_memory[:2]] in ([20, 35], [21, 35], [20, 36],
+                                                     [21, 36]), events
     retried = [e for e in events if "attempt-2" in e["life"]]
     assert len(retried) == 3 and {e["source"] for e in retried} == {"persistent"}, events
-    assert len({e["step"] for e in retried}) == 1 and retried[0]["step"] >= 50, events
+    assert len({e["step"] for e in retried}) == 1 and retried[0]["step"] >= 65, events
     # Read once: the primary reads the replicated file, each rank its own file only.
     storage = Storage(str(faulted / "output" / "checkpoints"))
     step = retried[0]["step"]
@@ -195,10 +240,12 @@ def test_three_workers_lose_a_worker_their_primary_and_an_attempt_and_end_bitwis
                for e in retried), retried
     # The job record says the same, one entry per recovery, with what caused it.
     recoveries = job["recoveries"]
-    assert [(r["attempt"], r["generation"]) for r in recoveries] == [(1, 1), (1, 2), (2, 0)]
-    assert [r["fault"]["cause"] for r in recoveries] == ["node_loss", "node_loss", "internal"]
-    for r in recoveries[:2]:
+    assert [(r["attempt"], r["generation"]) for r in recoveries] == \
+        [(1, 1), (1, 2), (1, 3), (1, 4), (2, 0)]
+    assert [r["fault"]["cause"] for r in recoveries] == \
+        ["node_loss", "node_loss", "maintenance", "preemption", "internal"], recoveries
+    for r in recoveries[:4]:
         assert {x["source"] for x in r["ranks"]} == {"peer"}
         assert r["bytes_read"]["persistent"] == 0 and r["steps_lost"] <= 1, r
-    assert {x["source"] for x in recoveries[2]["ranks"]} == {"persistent"}
+    assert {x["source"] for x in recoveries[4]["ranks"]} == {"persistent"}
     assert_same_end(clean, faulted, ranks=3)

@@ -5,7 +5,7 @@ object per line on stdin, answering one JSON line on stdout:
 
     {"cmd": "run", "url": ..., "storage_options": {...} | null, "async_save": bool,
      "numel": int, "train_s": float, "keep_last": int, "report": path, "error_file": path,
-     "kill_after_s": float}
+     "kill_after_s": float, "node_local": path | null}
         fork a child that restores the latest checkpoint (like a restarted job) and then
         loops: advance the model one step (crash_model), simulated compute (train_s),
         save the step. Once the child is in its loop, wait kill_after_s (the randomised
@@ -45,11 +45,13 @@ import crash_model
 
 from resilient_train.checkpoint.manager import CheckpointManager, CheckpointOptions
 from resilient_train.checkpoint.manifest import MANIFEST, MARKER
+from resilient_train.checkpoint.nodelocal import NodeLocal
 from resilient_train.checkpoint.retention import RetentionPolicy
 from resilient_train.checkpoint.storage import RetryOptions
 
 MAIN_PHASES = ["start", "restore", "train", "save"]
-WRITER_PHASES = ["idle", "begin", "data", "manifest", "marker", "commit", "retention"]
+WRITER_PHASES = ["idle", "begin", "data", "manifest", "marker", "commit", "retention",
+                 "node-local"]
 # Shared page: main phase (byte 0), writer phase (byte 1), step being written (8..16),
 # saves started (16..24), last step reported committed (24..32, -1: none).
 _LAYOUT = struct.Struct("<BB6xqqq")
@@ -123,6 +125,10 @@ def _instrument(mgr: CheckpointManager, shared: Shared) -> None:
         shared.writer("begin")
 
     wrap(mgr, "_write", begin_write, lambda: shared.writer("idle"))
+    if mgr._local is not None:   # the node-local tier's write (and commit), before storage's
+        wrap(mgr._local, "write", lambda step, *a: (shared.set_int(8, step),
+                                                     shared.writer("node-local")),
+             lambda: shared.writer("idle"))
     wrap(mgr, "_apply_retention", lambda *a: shared.writer("retention"))
 
     def begin_save(*a: Any) -> None:
@@ -146,7 +152,9 @@ def child(cmd: dict[str, Any], shared: Shared) -> None:
         async_save=bool(cmd["async_save"]),
         retention=RetentionPolicy(keep_last=int(cmd["keep_last"])),
         retry=RetryOptions(deadline_s=30.0, initial_s=0.01, max_wait_s=0.1),
-        storage_options=cmd.get("storage_options"))
+        storage_options=cmd.get("storage_options"),
+        node_local=NodeLocal(directory=cmd["node_local"], keep_last=int(cmd["keep_last"]))
+        if cmd.get("node_local") else None)
     mgr = CheckpointManager(cmd["url"], options=options)
     _instrument(mgr, shared)
     mgr.track(model=model)
@@ -168,7 +176,8 @@ def child(cmd: dict[str, Any], shared: Shared) -> None:
         mgr.values.update(crash_model.values_of(step))
         if cmd["train_s"]:
             time.sleep(float(cmd["train_s"]))  # the simulated compute of one step
-        mgr.save(step)
+        # With a node-local tier every save goes there, every third to storage too.
+        mgr.save(step, persistent=not cmd.get("node_local") or step % 3 == 0)
         if mgr.last_commit_step != last:
             last = mgr.last_commit_step
             assert last is not None

@@ -5,6 +5,8 @@ bucket layout, so 3 ranks sum in the same order after a resume (docs/checkpointi
 
 ``peer_ddp.py STEPS SAVE_EVERY STEP_TIME_S``: the primary writes ``$AIP_MODEL_DIR/model.pt``,
 and every rank ``rank{R}.pt``: its ``values`` and four draws from its RNG at the end.
+``PEER_DDP_NODE_LOCAL=K`` adds a node-local tier (every K-th save to storage too);
+``PEER_DDP_KILL_IN_TRANSFER`` kills a rank in the middle of a peer transfer.
 """
 import os
 import sys
@@ -17,6 +19,63 @@ from torch.utils.data import Dataset
 import resilient_train as rt
 
 STEPS, SAVE_EVERY, STEP_TIME = int(sys.argv[1]), int(sys.argv[2]), float(sys.argv[3])
+
+
+def kill_in_transfers(spec: str, marks: str) -> None:
+    """``PEER_DDP_KILL_IN_TRANSFER="receiver:20,sender:45"``: SIGKILL this process in the
+    middle of a peer recovery's transfer of the replicated state, once per role (a marker
+    file in ``PEER_DDP_MARKS``): as a restarted process receives (after the header's
+    size), or as any sends (likewise), in the first recovery whose step is at least the
+    number given. The rest
+    is the real transfer (checkpoint/recovery_plan.py): only the moment of death is set."""
+    import signal
+
+    from resilient_train.checkpoint import peers, recovery_plan
+
+    roles = {role: int(step) for role, step in (x.split(":") for x in spec.split(","))}
+    planned = [0]
+    real_carry, real_send, real_recv = (recovery_plan.carry_out, recovery_plan.send_tree,
+                                        recovery_plan.recv_tree)
+
+    def due(role: str) -> bool:
+        mark = os.path.join(marks, role)
+        if role not in roles or planned[0] < roles[role] or os.path.exists(mark):
+            return False
+        open(mark, "w").close()
+        return True
+
+    def die() -> None:
+        print(f"rank {os.environ['RANK']}: killed in the middle of a peer transfer",
+              flush=True)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    def carry_out(the_plan, *args):
+        planned[0] = the_plan.step
+        return real_carry(the_plan, *args)
+
+    def send_tree(tree, dst, group):
+        if due("sender"):
+            import torch.distributed as dist
+            dist.send(torch.tensor([1 << 20], dtype=torch.int64), dst, group=group)
+            die()
+        return real_send(tree, dst, group)
+
+    restarted = os.environ.get("RESILIENT_TRAIN_RESTART_COUNT", "0") != "0"
+
+    def recv_tree(src, group):
+        # The receiver that dies is a restarted process (not a survivor a step ahead).
+        if restarted and due("receiver"):
+            import torch.distributed as dist
+            dist.recv(torch.zeros(1, dtype=torch.int64), src, group=group)
+            die()
+        return real_recv(src, group)
+
+    peers.carry_out = carry_out
+    recovery_plan.send_tree, recovery_plan.recv_tree = send_tree, recv_tree
+
+
+if os.environ.get("PEER_DDP_KILL_IN_TRANSFER"):
+    kill_in_transfers(os.environ["PEER_DDP_KILL_IN_TRANSFER"], os.environ["PEER_DDP_MARKS"])
 
 
 class Data(Dataset):
@@ -59,5 +118,8 @@ def train(ctx: rt.Context) -> None:
         print(f"finished {STEPS} steps", flush=True)
 
 
+# PEER_DDP_NODE_LOCAL=K: a node-local tier, every K-th save to storage too.
+K = int(os.environ.get("PEER_DDP_NODE_LOCAL", "0"))
 rt.main(train, options=rt.MainOptions(
-    checkpoint=rt.CheckpointOptions(save_every_steps=SAVE_EVERY)))()
+    checkpoint=rt.CheckpointOptions(save_every_steps=SAVE_EVERY, node_local=rt.NodeLocal(
+        persistent_every=K) if K else None)))()
