@@ -29,6 +29,9 @@ class Coordinator(Protocol):
     def allgather(self, payload: Any) -> list[Any]:
         """Every rank's payload on every rank, in rank order (training thread)."""
 
+    def writer_barrier(self) -> None:
+        """Every rank has reached this point of its writes (writer thread)."""
+
 
 class SingleProcess:
     rank = 0
@@ -45,6 +48,9 @@ class SingleProcess:
 
     def allgather(self, payload: Any) -> list[Any]:
         return [payload]
+
+    def writer_barrier(self) -> None:
+        return None
 
 
 class TorchDistributed:
@@ -88,6 +94,9 @@ class TorchDistributed:
         out: list[Any] = [None] * self.world_size
         self._dist.all_gather_object(out, payload, group=self._main)
         return out
+
+    def writer_barrier(self) -> None:
+        self._dist.barrier(group=self._writer)
 
     @property
     def main_group(self) -> Any:

@@ -36,6 +36,7 @@ from typing import Any
 from .. import __version__
 from ..errors import Classification, PermanentError, TransientError, classify_exception
 from ..validate import NONE, expect_type
+from . import shard_copies
 from .commit import committer_for, remove_crashed_saves
 from .coordination import Coordinator, default_coordinator
 from .directory import (
@@ -71,7 +72,7 @@ from .recovery_plan import Plan, carry_out, loads_rank_state, plan
 from .retention import RetentionPolicy
 from .ringlink import RingLink, local_address, new_token
 from .scheduler import Decision, SaveScheduler, SigtermWatch
-from .sharded import SHARDED_LAYOUT, ShardedCheckpointer
+from .sharded import SHARDED_LAYOUT, ShardedCheckpointer, uses_sharded_layout
 from .state import (
     HostSnapshot,
     capture_rng,
@@ -238,7 +239,7 @@ class CheckpointStorageFullError(CheckpointError, PermanentError):
 
 
 class _Sharded(Exception):
-    """Raised inside a hand-over: the state holds DTensors (peer copies of shards: not yet)."""
+    """Raised inside a hand-over: the state holds DTensors (shard_copies.py restores it)."""
 
 
 class CheckpointManager:
@@ -407,7 +408,9 @@ class CheckpointManager:
         persistent = persistent or not local
         if self._cadence is not None:
             self._cadence.saved(persistent)
-        if self.is_primary or local:   # a machine's copy holds the replicated state too
+        # A machine's copy holds the replicated state too, and so does a sharded save's
+        # copy in a neighbour's memory (shard_copies.py).
+        if self.is_primary or local or (staged is not None and self._ring is not None):
             tree["shared"] = staged.replicated if staged else collect(self._tracked)
         check_weights_only(tree, where="checkpoint state")
         # A blocking save writes the live state (nothing can change it meanwhile); an async
@@ -481,7 +484,7 @@ class CheckpointManager:
     def _await_commit(self) -> None:
         """Writer thread: the ranks wait for the primary, which commits before it joins."""
         try:
-            self.coord.allreduce_max([0])
+            self.coord.writer_barrier()
         except Exception as exc:  # noqa: BLE001 - a peer lost meanwhile: raised by wait()
             self._error = self._error or exc
 
@@ -540,6 +543,7 @@ class CheckpointManager:
         not a copy; nothing when the state is not that of step ``step``'s boundary."""
         if self._ring is None:
             return
+        self._ring.memory.shards_handed_over = True   # sharded saves' copies: usable now
 
         def state() -> dict[str, Any]:
             tree = collect(self._tracked)
@@ -551,8 +555,9 @@ class CheckpointManager:
             self._ring.hand_over(step, state, self.scheduler.save_point,
                                  self.last_commit_step)
         except _Sharded:
-            self._ring.memory.why_not = ("sharded (DTensor) state is restored from storage: "
-                                         "peer copies of shards are not kept yet")
+            # Not the live state: a shard has no second holder but the last save's copy.
+            self._ring.memory.why_not = ("sharded (DTensor) state: restored from the last "
+                                         "save's copies in memory (shard_copies.py)")
 
     def wait(self) -> None:
         """Block until the save in flight is committed; raise its error if it failed."""
@@ -616,6 +621,8 @@ class CheckpointManager:
         """The node-local copy first (fast, and what a restart in place reads), then the
         persistent one. A node-local failure only warns: the persistent tier still holds
         every step it committed, and the next save tries the machine's disk again."""
+        if "dcp" in snap and self._ring is not None:
+            self._copy_shards(step, snap)   # memory first: the fastest tier
         if local:
             assert self._local is not None
             try:
@@ -633,6 +640,22 @@ class CheckpointManager:
             t0 = time.perf_counter()
             self._write(step, snap)
             self.scheduler.wrote(1, time.perf_counter() - t0)
+
+    def _copy_shards(self, step: int, snap: dict[str, Any]) -> None:
+        """Writer thread, a sharded save: this rank's shard to the next rank's memory, the
+        previous rank's into ours (shard_copies.py); the older save's copies are dropped
+        once every rank holds these."""
+        assert self._ring is not None
+        t0 = time.perf_counter()
+        own = shard_copies.pack(snap["dcp"].dcp_state, snap["shared"], snap["rank"])
+        group = getattr(self.coord, "writer_group", None)
+        got = shard_copies.exchange(own, self.rank, self.world_size, group)
+        shard_copies.keep(self._ring.memory, self.storage.url, step, own, got,
+                          (self.rank - 1) % self.world_size, self.scheduler.save_point[1])
+        self.coord.writer_barrier()
+        shard_copies.confirm(self._ring.memory, step)
+        log.debug("step %d: shard copies exchanged (%s out, %s in) in %.2f s", step,
+                  format_bytes(len(own)), format_bytes(len(got)), time.perf_counter() - t0)
 
     def _partner_copy(self, step: int) -> tuple[int, dict[str, Any]] | None:
         """The previous rank's per-rank state of ``step`` that the peer ring gave this
@@ -770,9 +793,12 @@ class CheckpointManager:
         t0 = time.perf_counter()
         reason = ""
         if self._ring is not None:
-            the_plan = plan(self.coord.allgather(self._ring.report()))
+            sharded = uses_sharded_layout(self._tracked)
+            mine = shard_copies.report(self._ring.memory, self.rank, self.storage.url) \
+                if sharded else self._ring.report()
+            the_plan = plan(self.coord.allgather(mine))
             if isinstance(the_plan, Plan):
-                return self._restore_from_peers(the_plan, strict, t0)
+                return self._restore_from_peers(the_plan, strict, t0, sharded)
             reason = the_plan.reason
             if self.is_primary:   # one line for the job: every rank computed the same plan
                 (log.warning if the_plan.survivors else log.info)(
@@ -799,10 +825,20 @@ class CheckpointManager:
             self._ring.restored(step, self._rank_state())
         return step
 
-    def _restore_from_peers(self, the_plan: Plan, strict: bool, t0: float) -> int:
+    def _restore_from_peers(self, the_plan: Plan, strict: bool, t0: float,
+                            sharded: bool) -> int:
         assert self._ring is not None
-        got = self._ring.restore(the_plan)
-        self._load_trees(got.shared, got.mine, strict)
+        if sharded:   # a save's shards, from each rank's memory or its neighbour's
+            got = carry_out(the_plan, shard_copies.ShardHoldings(self._ring.memory),
+                            self.rank, self._ring.group)
+            shard_copies.load(self._tracked, got.mine["dcp"], got.shared, strict=strict)
+            self._load_trees(None, got.mine["rank"], strict)
+            giver = the_plan.rank_source[self.rank]   # where its shard, the bulk, came from
+            if giver != self.rank:
+                got = replace(got, from_rank=giver)
+        else:
+            got = self._ring.restore(the_plan)
+            self._load_trees(got.shared, got.mine, strict)
         self.last_commit_step = got.last_commit
         self.scheduler.restored(*got.save_point)
         self._ring.restored(got.step, self._rank_state())

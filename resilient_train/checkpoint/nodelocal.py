@@ -26,7 +26,8 @@ empty and the restore falls back to peers or storage. Under ``resilient-train la
 the directory defaults to ``$RESILIENT_TRAIN_NODE_LOCAL_DIR/checkpoints``, which the
 launcher wipes exactly where the platform would (launcher/machines.py).
 
-Sharded (DTensor) state is saved to the persistent tier only, for now.
+Sharded (DTensor) state is saved to the persistent tier, and to the neighbours' memory
+(shard_copies.py), not to the machine's disk.
 """
 
 from __future__ import annotations

@@ -69,6 +69,14 @@ class PeerMemory:
     save_point: tuple[int | None, float] = (None, 0.0)   # last save's (step, time)
     last_commit_step: int | None = None
     why_not: str = ""   # why the last life's state is not usable, for the log line
+    # Sharded (DTensor) state: packed copies of the last saves (shard_copies.py), step ->
+    # this rank's and the previous rank's, and when each save was taken.
+    shards: dict[int, bytes] = field(default_factory=dict)
+    partner_shards: dict[int, bytes] = field(default_factory=dict)
+    shard_partner: int | None = None
+    shard_times: dict[int, float] = field(default_factory=dict)
+    shard_url: str = ""                 # the checkpoint directory they are saves of
+    shards_handed_over: bool = False    # a life ended on an error: the next one may use them
 
     def keep_own(self, step: int, payload: bytes) -> None:
         self.own[step] = payload

@@ -134,7 +134,8 @@ def uses_sharded_layout(tracked: Mapping[str, Any]) -> bool:
     return False
 
 
-def _owner(name: str, opt: torch.optim.Optimizer, tracked: Mapping[str, Any]) -> torch.nn.Module:
+def owner_module(name: str, opt: torch.optim.Optimizer,
+                 tracked: Mapping[str, Any]) -> torch.nn.Module:
     """The tracked module whose parameters the optimizer updates: DCP keys optimizer state
     by that module's parameter names (the key to resharding)."""
     wanted = {id(p) for g in opt.param_groups for p in g["params"]}
@@ -350,7 +351,7 @@ class ShardedCheckpointer:
                 live[name] = get_model_state_dict(obj)
             elif isinstance(obj, torch.optim.Optimizer):
                 # NB: DCP initialises an optimizer without state with a zero-lr step.
-                live[name] = get_optimizer_state_dict(_owner(name, obj, tracked), obj)
+                live[name] = get_optimizer_state_dict(owner_module(name, obj, tracked), obj)
             else:
                 # Other objects (a scheduler, a plain dict of tensors): through DCP only if
                 # their state holds a DTensor, else in shared.pt as in the replicated layout.
@@ -469,7 +470,7 @@ class ShardedCheckpointer:
                 target[n] = get_model_state_dict(obj, options=options)
             elif isinstance(obj, torch.optim.Optimizer):
                 # Initialises missing optimizer state, so DCP has tensors to load into.
-                target[n] = get_optimizer_state_dict(_owner(n, obj, tracked), obj)
+                target[n] = get_optimizer_state_dict(owner_module(n, obj, tracked), obj)
             else:  # a stateful object, or a plain tree that dcp.load fills in place
                 target[n] = collect({n: obj})[n]
         classes = _dcp_classes()
@@ -491,7 +492,7 @@ class ShardedCheckpointer:
             if isinstance(obj, torch.nn.Module):
                 set_model_state_dict(obj, target[n], options=options)
             elif isinstance(obj, torch.optim.Optimizer):
-                set_optimizer_state_dict(_owner(n, obj, tracked), obj, target[n], options=options)
+                set_optimizer_state_dict(owner_module(n, obj, tracked), obj, target[n], options=options)
             elif callable(getattr(obj, "load_state_dict", None)):
                 obj.load_state_dict(target[n])
         self._verified.clear()
