@@ -2,8 +2,9 @@
 storage, and under torchrun, side by side in one run.
 
     python benchmarks/bench_recovery.py [--quick] [--params-m 45] [--steps 65]
-        [--save-every 15] [--kill-steps 29,59] [--arms peer,persistent,torchrun,torchrun-own]
-        [--skip-read-once] [--out PATH]
+        [--save-every 15] [--kill-steps 29,59]
+        [--arms peer,node-local,persistent,torchrun,torchrun-own]
+        [--skip-read-once] [--skip-sigterm] [--out PATH]
 
 The job: benchmarks/recovery_worker.py, 3 workers, DDP over gloo under ``rt.main``, a
 synthetic model of ``--params-m`` million float32 parameters (45: 180 MB, plus AdamW's
@@ -16,6 +17,9 @@ persistent arm then restarted from step 0, measuring no read at all). The arms:
 
 - **(a) peer**: ``resilient-train launch``, default options (peer recovery on),
   checkpoints on local disk (the job directory's ``AIP_CHECKPOINT_DIR``);
+- **(b) node-local**: the same with ``--no-peer --node-local 2`` (every save to each
+  machine's disk, every 2nd to the emulator, ``gs://bench-recovery/run``): the killed
+  worker's machine is new (its disk empty), so it gets its state from a neighbour's disk;
 - **(c) persistent**: the same with ``--no-peer`` (``CheckpointOptions(peer_recovery=
   False)``) and the checkpoints on the GCS emulator (fake-gcs-server, ``gs://bench-
   recovery/run`` through ``STORAGE_EMULATOR_HOST``, tests/gcs.py starts it), keep_last=1;
@@ -56,6 +60,12 @@ and broadcasts it, each rank reads its own small file), every rank calling
 doing that (the others wait). Each includes loading the state into the model and
 optimizer. Seconds (the slowest rank), bytes read from storage (all ranks). Target:
 read once <= 1.2 x one rank alone.
+
+**SIGTERM -> emergency checkpoint committed** (``--skip-sigterm`` skips it): a job of the
+same worker, checkpoints on the emulator, the primary preempted at step 12 under
+``--grace 30`` (a Spot VM's): the seconds from the SIGTERM to the worker's exit 134 with
+its emergency checkpoint committed (the run's first save, so its host buffers are
+allocated then too), against the 30 s.
 
 ``--quick`` (run_all.py's size): 12M parameters (0.13 GiB of state per rank) and the
 read-once measurement once, the same steps and kills: about 7 min on 2 busy cores (load
@@ -104,6 +114,8 @@ MARK = "BENCH_RECOVERY_LIFE"       # ... and prints its start-up times after it
 TIERS = ("peer", "node-local", "persistent")
 ARMS = {   # name -> (label, runner, options)
     "peer": ("(a) peer recovery, local disk", "launch", []),
+    "node-local": ("(b) node-local tier, --no-peer", "launch",
+                   ["--no-peer", "--node-local", "2", "--checkpoint-dir", f"gs://{BUCKET}/run"]),
     "persistent": ("(c) --no-peer, gs:// emulator", "launch",
                    ["--no-peer", "--checkpoint-dir", f"gs://{BUCKET}/run"]),
     "torchrun": ("(d) torchrun, shared store", "torchrun", []),
@@ -350,7 +362,7 @@ def run_launch_arm(work: Path, name: str, cfg: argparse.Namespace,
     spec = ",".join(f"kill:{replica_of(rank)}@step{step}" for rank, step in cfg.plan)
     env: dict[str, str | None] = {ARGS_ENV: worker_args(cfg, extra)}
     with contextlib.ExitStack() as stack:
-        if name == "persistent":
+        if any(a.startswith("gs://") for a in extra):
             env["STORAGE_EMULATOR_HOST"] = stack.enter_context(gcs_emulator(work, watch))
         stack.enter_context(environ(**env))
         stack.enter_context(patched(bench_soak, DEMO=WORKER))
@@ -385,6 +397,57 @@ def run_launch_arm(work: Path, name: str, cfg: argparse.Namespace,
     if summary["failures"]:
         out["output_tail"] = tail
     return out
+
+
+def sigterm_save(work: Path, cfg: argparse.Namespace, watch: MemoryWatch) -> dict[str, Any]:
+    """A preemption of the primary (SIGTERM, then SIGKILL after a Spot VM's 30 s): the
+    seconds from the SIGTERM to the worker's exit 134 with its emergency checkpoint
+    committed to the emulator (every rank's 1/3 of the state, the first save of the run:
+    its host buffers are allocated then too), against the 30 s."""
+    grace, at = 30.0, 12
+    with contextlib.ExitStack() as stack:
+        endpoint = stack.enter_context(gcs_emulator(work, watch))
+        env = bench_soak.job_env(work) | {
+            "STORAGE_EMULATOR_HOST": endpoint,
+            ARGS_ENV: worker_args(cfg, ["--checkpoint-dir", f"gs://{BUCKET}/run"])}
+        job_dir = work / "job"
+        cmd = [sys.executable, "-m", "resilient_train.cli", "launch", "--workers",
+               str(WORKERS), "--job-dir", str(job_dir), "--quiet", "--grace", f"{grace:g}",
+               "--timeout", f"{int(cfg.job_timeout)}s",
+               "--chaos", f"preempt:{replica_of(0)}@step{at}", "--",
+               # Steps after the preemption: the ranks agree on a SIGTERM at a step
+               # boundary about once a second (sync_interval_s), so a run that ended
+               # first would save nothing.
+               sys.executable, str(WORKER), "--steps", str(at + 40), "--save-every",
+               "100000", "--step-time", "0.05"]
+        t0 = time.monotonic()
+        proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True,
+                              timeout=cfg.job_timeout + 60, check=False)
+        wall = time.monotonic() - t0
+    out = {"grace_s": grace, "preempted_at_step": at, "job_wall_s": round(wall, 1),
+           "rc": proc.returncode}
+    try:
+        job = json.loads((job_dir / "job.json").read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        return out | {"error": f"no job record: {exc}", "output_tail": proc.stdout[-2000:]}
+    events = job.get("events", [])
+    sigterm = next((e for e in events if e.get("kind") == "fault"
+                    and e.get("cause") == "preemption"), None)
+    exited = next((e for e in events if sigterm and e.get("kind") == "exited"
+                   and e.get("replica") == sigterm.get("replica")
+                   and bench_soak._epoch(e["time"]) >= bench_soak._epoch(sigterm["time"])),
+                  None)
+    logs = "".join(p.read_text(errors="replace")
+                   for p in sorted(job_dir.glob("logs/attempt-*/*.log")))
+    line = next((x for x in logs.splitlines() if "SIGTERM: " in x and "exit 134" in x), "")
+    if sigterm is None or exited is None:
+        return out | {"error": "no preemption or no exit in the job record",
+                      "output_tail": proc.stdout[-2000:]}
+    took = bench_soak._epoch(exited["time"]) - bench_soak._epoch(sigterm["time"])
+    committed = "committed" in line and "abandoned" not in line
+    return out | {"sigterm_to_exit_s": round(took, 3), "exit_code": exited.get("exit_code"),
+                  "line": line.strip(), "committed": committed,
+                  "pass": bool(committed and exited.get("exit_code") == 134 and took < grace)}
 
 
 def run_torchrun_arm(work: Path, name: str, cfg: argparse.Namespace) -> dict[str, Any]:
@@ -751,6 +814,15 @@ def markdown_section(d: dict[str, Any], md_table: Any, fnum: Any) -> tuple[str, 
                "", (f"Read once / one rank alone: "
                     f"{fnum(ro.get('ratio_read_once_to_one_rank'), 2)}x (target <= "
                     f"{TARGET_RATIO}).")]
+    em = d.get("sigterm") or {}
+    if em.get("error"):
+        md += ["", f"**SIGTERM -> emergency checkpoint failed**: {em['error']}"]
+    elif em:
+        md += ["", (f"SIGTERM (a preemption of the primary at step {em.get('preempted_at_step')},"
+                    f" `--grace {fnum(em.get('grace_s'), 0)}`) -> exit 134 with the emergency "
+                    f"checkpoint committed to the emulator: "
+                    f"{fnum(em.get('sigterm_to_exit_s'), 1)} s of the "
+                    f"{fnum(em.get('grace_s'), 0)} s grace (`{em.get('line', '')}`).")]
     for k, v in (d.get("targets") or {}).items():
         md += ["", f"Target, {k}: " + ("met" if v.get("pass") else "**not met**") + f" ({v})"]
     m = d.get("machine") or {}
@@ -784,6 +856,8 @@ def main() -> int:
     ap.add_argument("--baseline-repeats", type=int, default=3)
     ap.add_argument("--read-once-repeats", type=int, default=None, help="default 2 (quick 1)")
     ap.add_argument("--skip-read-once", action="store_true")
+    ap.add_argument("--skip-sigterm", action="store_true",
+                    help="skip SIGTERM -> emergency checkpoint committed")
     ap.add_argument("--recovery-limit", type=float, default=120.0,
                     help="a torchrun kill not recovered from within this many s fails")
     ap.add_argument("--job-timeout", type=float, default=900.0,
@@ -818,6 +892,7 @@ def main() -> int:
     results: dict[str, Any] = {}
     baseline = None
     ro = None
+    emergency: dict[str, Any] | None = None
     failed = False
     print(f"{WORKERS} workers, {args.params_m:g}M parameters, {args.steps} steps, a save "
           f"every {args.save_every}, kills: rank 1 at step {kill_steps[0]}, rank 0 at "
@@ -844,6 +919,15 @@ def main() -> int:
                 failed = True
             print(f"  done in {results[name]['arm_s']} s; failures: "
                   f"{(results[name].get('summary') or {}).get('failures')}", flush=True)
+        if not args.skip_sigterm:
+            (root / "sigterm").mkdir()
+            print("SIGTERM -> emergency checkpoint committed", flush=True)
+            try:
+                emergency = sigterm_save(root / "sigterm", args, watch)
+            except Exception as exc:  # noqa: BLE001
+                emergency = {"error": f"{type(exc).__name__}: {exc}"}
+            if emergency.get("error") or not emergency.get("pass"):
+                failed = True
         if not args.skip_read_once:
             (root / "read-once").mkdir()
             print("read once vs every rank reads", flush=True)
@@ -904,6 +988,16 @@ def main() -> int:
         targets["read_once"] = {"ratio": ro["ratio_read_once_to_one_rank"], "pass": ro["pass"]}
     elif ro is not None:
         print(f"\nread once: FAILED: {ro['error']}")
+    if emergency is not None:
+        if emergency.get("error"):
+            print(f"\nSIGTERM -> emergency checkpoint: FAILED: {emergency['error']}")
+        else:
+            print(f"\nSIGTERM -> exit 134 with the emergency checkpoint committed: "
+                  f"{emergency['sigterm_to_exit_s']:.1f} s of the {emergency['grace_s']:g} s "
+                  f"grace ({emergency['line']})")
+        targets["sigterm"] = {"seconds": emergency.get("sigterm_to_exit_s"),
+                              "grace_s": emergency.get("grace_s"),
+                              "pass": bool(emergency.get("pass"))}
     for k, v in targets.items():
         print(f"target, {k}: {v}")
     load_end = [round(x, 2) for x in os.getloadavg()]
@@ -938,6 +1032,7 @@ def main() -> int:
         "baseline": baseline,
         "arms": results,
         "read_once": ro,
+        "sigterm": emergency,
         "targets": targets,
         "elapsed_s": round(time.monotonic() - t0, 1),
     }

@@ -2,6 +2,7 @@
 
     resilient-train launch --workers 3 -- python benchmarks/recovery_worker.py \
         --steps 60 --save-every 10 [--checkpoint-dir DIR|gs://bucket/run] [--no-peer]
+        [--node-local K]
     torchrun --nproc-per-node 3 benchmarks/recovery_worker.py --steps 60 ...
 
 DDP over gloo under ``rt.main`` with a synthetic model whose training state is about
@@ -128,6 +129,9 @@ def main() -> None:
     p.add_argument("--no-peer", action="store_true",
                    help="CheckpointOptions(peer_recovery=False): restores read storage")
     p.add_argument("--keep-last", type=int, default=1, help="RetentionPolicy(keep_last=N)")
+    p.add_argument("--node-local", type=int, default=0, metavar="K",
+                   help="a node-local tier, every K-th save to the checkpoint directory too "
+                        "(NodeLocal(persistent_every=K); default none)")
     p.add_argument("--params-m", type=float, default=45.0,
                    help="million float32 parameters (default 45: 0.5 GiB with AdamW's moments)")
     # A harness whose command line is fixed (bench_soak's run_job and run_torchrun) adds
@@ -137,7 +141,9 @@ def main() -> None:
         checkpoint_dir=args.checkpoint_dir,
         checkpoint=rt.CheckpointOptions(
             save_every_steps=args.save_every, peer_recovery=not args.no_peer,
-            retention=rt.RetentionPolicy(keep_last=args.keep_last)),
+            retention=rt.RetentionPolicy(keep_last=args.keep_last),
+            node_local=rt.NodeLocal(persistent_every=args.node_local)
+            if args.node_local else None),
         final_save=False)   # the benchmark measures recoveries, not a last 0.5 GiB write
     rt.main(train, options=options)(args)
 

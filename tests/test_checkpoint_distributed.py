@@ -21,7 +21,7 @@ from typing import Any
 import pytest
 import torch
 
-from resilient_train.checkpoint.directory import scan, verify_step
+from resilient_train.checkpoint.directory import read_manifest, scan, verify_step
 from resilient_train.checkpoint.storage import Storage
 
 WORKERS = Path(__file__).parent / "dist_workers"
@@ -298,6 +298,30 @@ def test_sharded_on_an_object_store(tmp_path: Path, gcs_bucket: Any) -> None:
     assert {"dcp/.metadata", "dcp/__0_0.distcp", "dcp/__1_0.distcp"} <= set(m["files"])
     checked = verify_step(storage, info)
     assert checked.ok, checked.problems
+
+
+def test_a_replicated_restore_from_an_object_store_reads_once_and_streams(
+        tmp_path: Path, gcs_bucket: Any) -> None:
+    """3 ranks, the emulator: the primary reads shared.pt and every rank receives it as it
+    is read; a flipped byte in step 4's copy is found at the stream's end by all three,
+    which take step 2 instead. No rank but the primary reads a shared file."""
+    out = tmp_path / "out"
+    got = run("corrupt_gcs", 3, f"{gcs_bucket.url}/run", out,
+              extra_env={"RT_GCS_ENDPOINT": gcs_bucket.storage_options["endpoint_url"]})
+    assert [r["step"] for r in got] == [2, 2, 2]
+    for r in got:
+        assert bitwise_equal(r["restored"], got[0]["weights"][2])
+        assert r["values"] == {"position": 2}
+    storage = Storage(f"{gcs_bucket.url}/run", storage_options=gcs_bucket.storage_options)
+    files = {i.step: read_manifest(storage, i.name, i.step).files
+             for i in scan(storage) if i.committed}
+    # Each rank read its own file of steps 4 and 2; the primary also step 2's shared.pt
+    # (step 4's, which failed its checksum, is not counted as restored bytes).
+    for rank, r in enumerate(got):
+        own = sum(files[s][f"rank-{rank:05d}.pt"].size for s in (2, 4))
+        assert r["bytes_read"]["persistent"] == own + (files[2]["shared.pt"].size
+                                                       if rank == 0 else 0), (rank, r)
+    assert "shared.pt: checksum mismatch" in (out / "corrupt_gcs.rank0.log").read_text()
 
 
 def test_sharded_save_to_gcs_rides_out_503s(tmp_path: Path, gcs_bucket: Any,

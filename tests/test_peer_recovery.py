@@ -161,6 +161,13 @@ STEPS = 100
 RANK_OF = {"workerpool0-0": 0, "workerpool1-0": 1, "workerpool1-1": 2}
 
 
+@pytest.fixture(scope="module")
+def clean(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The job without faults, run once for every test that compares with it (its end
+    does not depend on the tier options or the kill points the tests set)."""
+    return launch(tmp_path_factory.mktemp("clean"), "clean", None)[2]
+
+
 def launch(tmp: Path, name: str, chaos: str | None) -> tuple[dict, str, Path]:
     return launch_job(tmp, name, 3, ["--chaos", chaos] if chaos else [],
                       [str(HERE / "workers" / "peer_ddp.py"), str(STEPS), "25", "0.03"])
@@ -179,7 +186,7 @@ def restores(job_dir: Path) -> list[dict]:
 
 @pytest.mark.slow
 def test_a_rank_killed_in_the_middle_of_a_peer_transfer_leaves_nothing_torn(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, clean: Path) -> None:
     """Rank 1 is lost at step 30; its new process is killed while it receives the model,
     and the survivors, whose memory the transfer never touched, give it again. Rank 2 is
     lost at step 60, and the rank sending the model is killed while it sends: a rank's
@@ -187,7 +194,6 @@ def test_a_rank_killed_in_the_middle_of_a_peer_transfer_leaves_nothing_torn(
     why. The run ends bitwise equal to one without faults."""
     monkeypatch.setenv("PEER_DDP_KILL_IN_TRANSFER", "receiver:30,sender:60")
     monkeypatch.setenv("PEER_DDP_MARKS", str(tmp_path))
-    _, _, clean = launch(tmp_path, "clean", None)
     job, out, faulted = launch(tmp_path, "faulted", "kill:workerpool1-0@step30,"
                                                     "kill:workerpool1-1@step60")
     assert job["state"] == "JOB_STATE_SUCCEEDED", out[-3000:]
@@ -212,7 +218,7 @@ def test_a_rank_killed_in_the_middle_of_a_peer_transfer_leaves_nothing_torn(
 
 @pytest.mark.slow
 def test_three_workers_survive_every_kind_of_fault_in_one_run_and_end_bitwise(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, clean: Path) -> None:
     """One run of a 3-worker DDP job with a node-local tier (every 2nd save to storage)
     that loses: rank 2's node, the primary's node (and the store with it), rank 1 to a
     maintenance move (SIGTERM, an emergency save, then a new VM: its disk wiped), rank 2
@@ -220,7 +226,6 @@ def test_three_workers_survive_every_kind_of_fault_in_one_run_and_end_bitwise(
     disk new). The first four restore from the survivors' memory; the retry reads the
     persistent tier once. It ends bitwise equal to a run without faults."""
     monkeypatch.setenv("PEER_DDP_NODE_LOCAL", "2")
-    _, _, clean = launch(tmp_path, "clean", None)
     job, out, faulted = launch(tmp_path, "faulted", ",".join([
         "kill:workerpool1-1@step20",          # rank 2's node: peers restore it
         "kill:workerpool0-0@step35",          # the primary, and the store with it: peers

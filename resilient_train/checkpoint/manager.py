@@ -55,7 +55,7 @@ from .directory import (
     scan,
 )
 from .emergency import CommitGate, Grace, Outcome, SaveAbandoned, remaining
-from .loader import load_verified
+from .loader import BufferReader, VerifiedReader, load_checked, load_verified
 from .manifest import MARKER, CheckpointError, CorruptCheckpointError, FileEntry, Manifest
 from .nodelocal import LocalTier, NodeLocal, PersistentCadence
 from .peers import PeerMemory, PeerRing, process_memory, tensor_versions
@@ -84,7 +84,7 @@ from .state import (
     tree_on_host,
 )
 from .storage import RetryOptions, Storage, format_bytes, free_bytes, is_no_space
-from .transfer import broadcast_tree
+from .transfer import broadcast_file, broadcast_tree
 from .writer import RankFailure, StepWriter, WriterThread
 
 log = logging.getLogger(__name__)
@@ -428,6 +428,7 @@ class CheckpointManager:
             self._write_tiers(step, snap, local, persistent)
             # Deleting old steps (about 1 s per GB on some disks) need not block anyone.
             self._inflight = self._thread.submit(self._apply_retention)
+            self.last_blocking_s = time.perf_counter() - t0   # the write blocked it too
         else:
             self._inflight = self._thread.submit(self._write_guarded, step, snap, local,
                                                  persistent)
@@ -911,18 +912,22 @@ class CheckpointManager:
             self._warn_uncommitted(infos)
         problems: list[str] = []
         for step, name in sorted(names, reverse=True):
-            loaded: tuple[Manifest, dict[str, Any], dict[str, Any] | None] | None = None
+            loaded: tuple[Manifest, dict[str, Any] | None, dict[str, Any] | None] | None = None
             try:
                 loaded = self._load_step(step, name)
             except CorruptCheckpointError as exc:
                 problems.append(str(exc))
             # Every rank must restore the same step: one rank's bad file skips it for all.
             if self.coord.allreduce_max([0 if loaded else 1])[0] == 0 and loaded is not None:
-                manifest, shared, mine = loaded
-                shared = self._share(shared)
-                self._apply(manifest, shared, mine, strict)
-                self.known.restored = name
-                return step
+                manifest, maybe_shared, mine = loaded
+                try:
+                    shared = self._share(maybe_shared, name, manifest)
+                except CorruptCheckpointError as exc:   # the same on every rank
+                    problems.append(str(exc))
+                else:
+                    self._apply(manifest, shared, mine, strict)
+                    self.known.restored = name
+                    return step
             self.known.bad.add(name)
             log.warning("checkpoint %s does not verify%s; trying the previous one",
                         self.storage.url_of(name), f": {problems[-1]}" if problems else
@@ -978,7 +983,7 @@ class CheckpointManager:
             log.info("no checkpoint in %s: starting from step 0", self.storage.url)
 
     def _load_step(self, step: int, name: str
-                   ) -> tuple[Manifest, dict[str, Any], dict[str, Any] | None]:
+                   ) -> tuple[Manifest, dict[str, Any] | None, dict[str, Any] | None]:
         where = self.storage.url_of(name)
         manifest = read_manifest(self.storage, name, step)
         present = set(list_files(self.storage, name))
@@ -987,8 +992,10 @@ class CheckpointManager:
             raise CorruptCheckpointError(f"{where}: " + "; ".join(problems))
         # Read once: the replicated state is the same for every rank, so the primary reads
         # it and broadcasts it (_share) instead of every rank reading the same bytes.
-        shared: dict[str, Any] = {}
-        if self._reads_shared():
+        shared: dict[str, Any] | None = {}
+        if self._streams_shared(name):
+            shared = None   # read and broadcast at once, once every rank agrees (_share)
+        elif self._reads_shared():
             shared = load_verified(self.storage, name, SHARED_FILE, manifest)
             self._read_bytes += manifest.files[SHARED_FILE].size
         if manifest.layout == SHARDED_LAYOUT:  # deep-check the DCP files this rank reads
@@ -1003,12 +1010,39 @@ class CheckpointManager:
     def _reads_shared(self) -> bool:
         return self.is_primary or getattr(self.coord, "main_group", None) is None
 
-    def _share(self, shared: dict[str, Any]) -> dict[str, Any]:
-        """The primary's replicated state on every rank (read once, broadcast)."""
+    def _streams_shared(self, name: str) -> bool:
+        """Whether the replicated file goes to every rank as it is read (remote storage,
+        several ranks): reading overlaps the broadcast. A local file is memory-mapped and
+        loaded by the primary first, then broadcast as tensors."""
+        return (self.world_size > 1 and getattr(self.coord, "main_group", None) is not None
+                and self.storage.local_path(f"{name}/{SHARED_FILE}") is None)
+
+    def _share(self, shared: dict[str, Any] | None, name: str,
+               manifest: Manifest) -> dict[str, Any]:
+        """The primary's replicated state on every rank, read once: streamed as its bytes
+        are read (None: not read yet), else broadcast as a tree. Raises
+        CorruptCheckpointError on every rank when the primary finds the file bad."""
         group = getattr(self.coord, "main_group", None)
         if self.world_size == 1 or group is None:
+            assert shared is not None
             return shared
-        return broadcast_tree(shared if self.is_primary else None, 0, self.rank, group).tree
+        if shared is not None:
+            return broadcast_tree(shared if self.is_primary else None, 0, self.rank,
+                                  group).tree
+        where = self.storage.url_of(f"{name}/{SHARED_FILE}")
+        size = manifest.files[SHARED_FILE].size
+        reader = VerifiedReader(self.storage, name, SHARED_FILE, manifest) \
+            if self.is_primary else None
+        got = broadcast_file(reader, size, 0, self.rank, group)
+        if isinstance(got, BaseException):
+            if isinstance(got, CorruptCheckpointError) or not self.is_primary:
+                raise CorruptCheckpointError(
+                    got.args[0] if self.is_primary else f"{where}: the primary could not "
+                    f"read it ({type(got).__name__})") from got
+            raise got   # the primary's storage error, as it was (an outage: transient)
+        if self.is_primary:
+            self._read_bytes += size
+        return load_checked(BufferReader(got), where)
 
     def _apply(self, manifest: Manifest, shared: dict[str, Any], mine: dict[str, Any] | None,
                strict: bool) -> None:

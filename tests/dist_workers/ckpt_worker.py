@@ -201,6 +201,47 @@ def corrupt(ckpt: str, coord: Coordinator) -> dict[str, Any]:
     return {"weights": weights, "restored": replicated_restore(ckpt, coord)}
 
 
+def corrupt_gcs(ckpt: str, coord: Coordinator) -> dict[str, Any]:
+    """On an object store (the emulator) the replicated file streams to every rank as the
+    primary reads it: save steps 2 and 4, flip a byte of step 4's shared.pt, restore with
+    fresh objects: every rank learns at the stream's end that it does not verify, and all
+    take step 2 (streamed too)."""
+    from resilient_train.checkpoint.storage import Storage
+
+    options = {"endpoint_url": os.environ["RT_GCS_ENDPOINT"], "token": "anon"}
+    model, wrapped, opt = ddp_model(0)
+    seed_all(100 + RANK)
+    mgr = CheckpointManager(ckpt, options=CheckpointOptions(
+        policy=every_n_steps(2), async_save=False, storage_options=options),
+        coordinator=coord)
+    mgr.track(model=model, optimizer=opt)
+    weights = {}
+    for step in range(1, 5):
+        train_step(wrapped, opt)
+        mgr.values["position"] = step
+        if mgr.maybe_save(step):
+            weights[step] = params(model)
+    mgr.close()
+    dist.barrier()
+    if RANK == 0:
+        st = Storage(ckpt, storage_options=options)
+        name = next(n for n in st.listdir("") if n.startswith("step-000000000004"))
+        data = bytearray(st.read_bytes(f"{name}/shared.pt"))
+        data[len(data) // 2] ^= 0xFF
+        st.write_bytes(f"{name}/shared.pt", bytes(data))
+    dist.barrier()
+    model, _wrapped, opt = ddp_model(7)
+    mgr = CheckpointManager(ckpt, options=CheckpointOptions(
+        policy=never(), max_interval_s=None, storage_options=options), coordinator=coord)
+    mgr.track(model=model, optimizer=opt)
+    step = mgr.restore_latest()
+    assert mgr.last_restore is not None
+    out = {"weights": weights, "step": step, "restored": params(model),
+           "values": dict(mgr.values), "bytes_read": dict(mgr.last_restore.bytes_read)}
+    mgr.close()
+    return out
+
+
 # --- the shared time decision -----------------------------------------------------------
 
 def timed_saves(ckpt: str, coord: Coordinator) -> dict[str, Any]:
@@ -403,6 +444,7 @@ def sharded_gcs(ckpt: str, coord: Coordinator) -> dict[str, Any]:
 
 SCENARIOS: dict[str, Callable[[str, Coordinator], dict[str, Any]]] = {
     "sharded_gcs": sharded_gcs,
+    "corrupt_gcs": corrupt_gcs,
     "replicated_save": replicated_save,
     "replicated_restore": replicated_restore,
     "full_disk": full_disk,
