@@ -32,6 +32,8 @@ _DEFAULT_TIMEOUT = 7 * 24 * 3600.0
 _DEFAULT_MAX_WAIT = 24 * 3600.0
 
 _JOB_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
+# The values of launcher.scalars.TensorBoardMode, here so that parsing imports nothing more.
+TENSORBOARD_MODES = ("auto", "on", "off")
 
 EPILOG = """\
 exit status: 0 when the job SUCCEEDED; otherwise the root cause's exit code (a worker's
@@ -137,6 +139,10 @@ def _parser() -> argparse.ArgumentParser:
     lp.add_argument("--shared-workdir", action="store_true",
                     help="run every replica in this working directory (default: each in a "
                     "view of its own, where what it writes is its own, as on its own VM)")
+    lp.add_argument("--tensorboard", choices=TENSORBOARD_MODES, default="auto",
+                    help="step time, goodput and recoveries as TensorBoard scalars in "
+                    "AIP_TENSORBOARD_LOG_DIR: auto when it is local and the tensorboard "
+                    "package is installed (default), on (gs:// too), off")
     lp.add_argument("command", nargs=argparse.REMAINDER)
 
     cp = sub.add_parser("checkpoints", help="list, verify or prune a checkpoint directory")
@@ -202,6 +208,8 @@ def _launch(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     for note in notes:
         print(f"job spec: {note}", flush=True)
     print(f"job {options.job_name}: directory {options.job_dir}", flush=True)
+    if launcher.scalars is not None:
+        print(launcher.scalars.describe(), flush=True)
     try:
         status = launcher.run()
     except Exception as exc:  # noqa: BLE001 - the launcher failed; it logged the traceback
@@ -242,6 +250,7 @@ def _options(args: argparse.Namespace, command: tuple[str, ...],
     from .launcher.programs import PoolProgram, plan_pools
     from .launcher.resources import detect_gpus, memory_limit_for
     from .launcher.runner import LaunchError, LaunchOptions
+    from .launcher.scalars import TensorBoardMode
 
     notes: list[str] = []
     if spec is not None:
@@ -330,6 +339,7 @@ def _options(args: argparse.Namespace, command: tuple[str, ...],
         programs=programs,
         listed_only=listed_only,
         shared_workdir=args.shared_workdir,
+        tensorboard=TensorBoardMode(args.tensorboard),
     ), notes
 
 

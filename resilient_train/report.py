@@ -775,6 +775,20 @@ def _goodput_section(goodput: Mapping[str, Any] | None) -> str:
                    f'<td class="num">{pct:.1f}%</td><td>{_esc(kind.meaning)}</td></tr>')
     out.append(f'<tr><th>wall</th><th class="num">{wall:.3f}</th><th class="num">100%</th>'
                f'<th></th></tr></table>')
+    badput = goodput.get("badput_s")
+    if isinstance(badput, Mapping) and badput:
+        # The same time in the names of Google's ml-goodput-measurement, whose dashboards
+        # and TensorBoard tags a user may compare with (docs/launcher.md has the mapping).
+        out.append('<p class="note">The time not productive, by ml-goodput-measurement\'s '
+                   'badput types:</p>')
+        out.append('<table><tr><th>badput type</th><th class="num">seconds</th>'
+                   '<th class="num">share</th></tr>')
+        for name, secs in badput.items():
+            secs = float(secs or 0.0)
+            pct = 100 * secs / wall if wall > 0 else 0.0
+            out.append(f'<tr><td><code>{_esc(name)}</code></td><td class="num">{secs:.3f}'
+                       f'</td><td class="num">{pct:.1f}%</td></tr>')
+        out.append('</table>')
     return "\n".join(out)
 
 

@@ -5,7 +5,8 @@ restore events) and, at the end, the goodput.
 :meth:`JobRecord.flush` is the supervision loop's one call, after each step: it prints the
 events recorded since the last call, rewrites ``job.json`` (atomically) when they or the
 recoveries changed, and keeps ``telemetry/failures.json`` current. :func:`launcher_alive` is the reader's side: whether
-the launcher that writes a record still runs.
+the launcher that writes a record still runs. The TensorBoard scalars (scalars.py) read the
+primary's progress, the recoveries and the goodput from the same telemetry readers.
 """
 
 from __future__ import annotations
@@ -18,9 +19,10 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from ..goodput import account
-from ..telemetry import LifeReader, read_life, write_failures
+from ..goodput import Goodput, account
+from ..telemetry import LifeReader, LifeTelemetry, read_life, write_failures
 from .chaos import UnfiredFault
+from .events import EventKind
 from .job import JobMachine
 from .programs import PoolProgram
 from .record import (
@@ -89,6 +91,27 @@ class JobRecord:
         self._recoveries: list[dict[str, Any]] = []
         self._checked = -float("inf")   # monotonic time of the last telemetry check
         self._events_seen = -1          # len(events) at the last recoveries computed
+        # The record's goodput section, once the job is over (what job.json says).
+        self.goodput: dict[str, Any] | None = None
+
+    @property
+    def recoveries(self) -> list[dict[str, Any]]:
+        """The record's ``recoveries`` as of the last :meth:`flush`."""
+        return list(self._recoveries)
+
+    def primary_lives(self, first: int = 0) -> list[LifeTelemetry]:
+        """The primary's lives as followed so far, in the order they began, from number
+        ``first`` on (each open segment read now: one small read per life)."""
+        readers = [reader for life, reader in self._readers.values()
+                   if life.replica == self._primary]
+        return [reader.life() for reader in readers[first:]]
+
+    def goodput_so_far(self, now: float) -> Goodput | None:
+        """The goodput from RUNNING until ``now``, from the telemetry followed so far;
+        None once the job is over (the record's ``goodput`` then says it)."""
+        if self._machine.state.terminal:
+            return None
+        return self._account(self.primary_lives(), now)
 
     def flush(self, force: bool = False) -> None:
         """Print the new events and rewrite the record; nothing when nothing happened
@@ -113,7 +136,7 @@ class JobRecord:
         rec["job_dir"] = str(self.job_dir)
         rec["recoveries"] = list(self._recoveries)
         if m.state.terminal:
-            rec["goodput"] = self._goodput()
+            rec["goodput"] = self.goodput = self._goodput()
             if self._chaos:
                 rec["unfired_faults"] = [u.to_json() for u in self._unfired()]
             rec["exit_status"] = self._exit_status()   # the launcher's, as run() returns it
@@ -171,12 +194,25 @@ class JobRecord:
     def _goodput(self) -> dict[str, Any] | None:
         """The primary's training segments over every life, split into goodput buckets;
         None when the job never ran or its script does not report (no @rt.main)."""
-        start, end = self._machine.start_time, self._machine.end_time
-        if start is None or end is None:
+        end = self._machine.end_time
+        if end is None:
             return None
-        segments = [seg for prefix in telemetry_prefixes(self.job_dir, self._primary)
-                    for seg in read_life(prefix).segments]
-        return account(segments, start, end).to_json() if segments else None
+        lives = [read_life(prefix) for prefix in telemetry_prefixes(self.job_dir, self._primary)]
+        goodput = self._account(lives, end)
+        return None if goodput is None else goodput.to_json()
+
+    def _account(self, lives: Sequence[LifeTelemetry], end: float) -> Goodput | None:
+        """The primary's ``lives`` (their segments and restores, and when the launcher
+        started each) accounted from RUNNING to ``end``; None before RUNNING or without
+        a segment."""
+        start = self._machine.start_time
+        segments = [seg for life in lives for seg in life.segments]
+        if start is None or not segments:
+            return None
+        starts = [e.time for e in self._machine.events
+                  if e.kind is EventKind.STARTED and e.replica == self._primary]
+        return account(segments, start, end, [r for life in lives for r in life.restores],
+                       starts)
 
 
 def launcher_alive(record: Mapping[str, Any]) -> bool | None:

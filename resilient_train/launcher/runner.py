@@ -9,7 +9,8 @@ them and hand each end to ``exits.classify_exit``, then to the job machine. Ever
 is a part with a narrow interface that the loop calls at one point of each step, ``poll``,
 and asks how long it may sleep, ``wake``: the capacity lease (``capacity.py``), scheduled
 chaos (``faults.py``), the memory limit (``memory.py``), the watchdog's process trees
-(``processes.py``) and the job record (``jobrecord.py``, flushed after each step).
+(``processes.py``) and the job record (``jobrecord.py``, flushed after each step, then
+the TensorBoard scalars, ``scalars.py``, that read it).
 """
 
 from __future__ import annotations
@@ -63,7 +64,8 @@ from .record import (
     telemetry_prefix,
 )
 from .resources import detect_gpus
-from .workerenv import JobEnv, Replica, replicas_for, worker_env
+from .scalars import JobScalars, TensorBoardMode, TensorBoardUnavailable, open_scalars
+from .workerenv import JobEnv, Replica, replicas_for, tensorboard_log_dir, worker_env
 
 __all__ = ["NO_STEP_WARNING_S", "LaunchError", "LaunchOptions", "Launcher", "launcher_alive"]
 
@@ -112,6 +114,9 @@ class LaunchOptions:
     # Every replica in the launcher's working directory instead of a view of its own
     # (machines.py); TMPDIR and the node-local directory stay each replica's own.
     shared_workdir: bool = False
+    # Step time, goodput and recoveries as TensorBoard scalars in AIP_TENSORBOARD_LOG_DIR
+    # (scalars.py): auto writes them when it is local and the tensorboard package is there.
+    tensorboard: TensorBoardMode = TensorBoardMode.AUTO
 
     def program(self, pool: str) -> PoolProgram:
         """What the replicas of ``pool`` run."""
@@ -171,6 +176,12 @@ class Launcher:
                      self.env.master_port),
             self.replicas[0].name, self.echo, chaos=bool(options.chaos),
             unfired=self.unfired_faults, exit_status=lambda: self.exit_status)
+        try:
+            self.scalars: JobScalars | None = open_scalars(
+                options.tensorboard, tensorboard_log_dir(self.env.output_base), self.job_dir,
+                len(self.replicas))
+        except TensorBoardUnavailable as exc:
+            raise LaunchError(str(exc)) from None
         self.faults = Faults(schedule, self.machine, self.workers,
                              primary=self.replicas[0].name, job_dir=self.job_dir,
                              grace=options.grace, no_step_warning_s=options.no_step_warning_s,
@@ -260,17 +271,23 @@ class Launcher:
             while not (self.machine.state.terminal and not self.workers):
                 self._step()
                 self.record.flush()
+                if self.scalars is not None:
+                    self.scalars.poll(self.clock(), self.record)
                 if self.machine.state.terminal and not self.workers:
                     break
                 self._sleep()
             # A job can end before the loop runs once (a command that cannot start).
             self.record.flush()
+            if self.scalars is not None:
+                self.scalars.close(self.record, self.machine.end_time)
         except BaseException as exc:
             # The launcher itself failed: no worker may outlive it, and the record says why.
             log.exception("launcher failed")
             kill_all(self.workers, self._life_over)
             self.machine.launcher_failed(self.clock())
             self.record.flush()
+            if self.scalars is not None:   # what was written, up to the failure
+                self.scalars.close(self.record, self.machine.end_time)
             if isinstance(exc, KeyboardInterrupt):
                 return STATUS_INTERNAL
             raise

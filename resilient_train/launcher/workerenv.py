@@ -72,6 +72,11 @@ class JobEnv:
 LOCAL_PROJECT_NUMBER = "000000000000"
 
 
+def tensorboard_log_dir(output_base: str) -> str:
+    """The job's AIP_TENSORBOARD_LOG_DIR: its output base's ``logs/``, as on the platform."""
+    return f"{output_base}/logs/"
+
+
 def worker_env(job: JobEnv, replica: Replica, *, attempt: int, restart: int,
                error_file: str, gpu_ids: Sequence[int] | None,
                base: Mapping[str, str], telemetry: str = "", failures_file: str = "",
@@ -96,7 +101,7 @@ def worker_env(job: JobEnv, replica: Replica, *, attempt: int, restart: int,
         "CLOUD_ML_PROJECT_ID": base.get("CLOUD_ML_PROJECT_ID") or LOCAL_PROJECT_NUMBER,
         "AIP_MODEL_DIR": f"{job.output_base}/model/",
         "AIP_CHECKPOINT_DIR": f"{job.output_base}/checkpoints/",
-        "AIP_TENSORBOARD_LOG_DIR": f"{job.output_base}/logs/",
+        "AIP_TENSORBOARD_LOG_DIR": tensorboard_log_dir(job.output_base),
         # torchrun's variables, so scripts written for torchrun run unchanged.
         "TORCHELASTIC_RESTART_COUNT": str(restart),
         "TORCHELASTIC_RUN_ID": job.job_id,
