@@ -152,7 +152,7 @@ def launch(tmp: Path, name: str, *args: str) -> tuple[dict, str, Path]:
 
 @pytest.mark.slow
 def test_every_worker_restarted_one_on_a_new_machine_resumes_from_the_others_disk(
-        tmp_path: Path) -> None:
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     # restartJobOnWorkerRestart: a node loss restarts every worker, so no process keeps
     # anything in memory; the killed one's machine is new (its disk empty), the other's
     # kept. Rank 1 gets the model from rank 0's disk, and its own RNG streams and values
@@ -167,6 +167,15 @@ def test_every_worker_restarted_one_on_a_new_machine_resumes_from_the_others_dis
     assert recovery["bytes_read"]["persistent"] == 0
     assert "rank 1: resumed from step 35 (from rank 0's node-local disk)" in out
     assert_same_end(clean, faulted, ranks=2)
+    # Peer recovery off, the survivor re-forms in-process: the tier alone serves the
+    # restore (the ring still carries each rank's RNG and values to its neighbour's disk).
+    monkeypatch.setenv("LOCAL_TIER_NO_PEER", "1")
+    job, out, alone = launch(tmp_path, "no-peer", "--chaos", "kill:workerpool1-0@step37")
+    [recovery] = job["recoveries"]
+    assert recovery["step"] == 35, recovery
+    assert {r["source"] for r in recovery["ranks"]} == {"node-local"}, recovery
+    assert recovery["bytes_read"]["persistent"] == 0
+    assert_same_end(clean, alone, ranks=2)
 
 def test_chaos_wipe_and_corrupt_hit_the_disk_a_restore_reads(tmp_path: Path, caplog) -> None:
     from resilient_train.launcher.chaos import FaultKind, parse_chaos

@@ -55,7 +55,7 @@ from .directory import (
     scan,
 )
 from .emergency import CommitGate, Grace, Outcome, SaveAbandoned, remaining
-from .loader import BufferReader, VerifiedReader, load_checked, load_verified
+from .loader import load_verified
 from .manifest import MARKER, CheckpointError, CorruptCheckpointError, FileEntry, Manifest
 from .nodelocal import LocalTier, NodeLocal, PersistentCadence
 from .peers import PeerMemory, PeerRing, process_memory, tensor_versions
@@ -84,7 +84,7 @@ from .state import (
     tree_on_host,
 )
 from .storage import RetryOptions, Storage, format_bytes, free_bytes, is_no_space
-from .transfer import broadcast_file, broadcast_tree
+from .transfer import broadcast_tree
 from .writer import RankFailure, StepWriter, WriterThread
 
 log = logging.getLogger(__name__)
@@ -285,7 +285,10 @@ class CheckpointManager:
         self.known = KnownSteps()
         group = getattr(self.coord, "main_group", None)
         self._ring: PeerRing | None = None
-        if self.options.peer_recovery and self.world_size > 1 and group is not None:
+        # The ring also carries each rank's RNG and values to the next rank's node-local
+        # copy (nodelocal.py): a rank on a new machine finds them on its neighbour's disk.
+        if (self.options.peer_recovery or self.options.node_local is not None) \
+                and self.world_size > 1 and group is not None:
             # Collective: every rank connects to its ring neighbours (ringlink.py).
             link = RingLink.connect(
                 self.rank, self.world_size, self.coord.allgather,
@@ -316,6 +319,11 @@ class CheckpointManager:
         self._gate = CommitGate()
         self.abandoned = ""   # why the emergency save was abandoned, for the exit's line
         self.left_behind: threading.Thread | None = None   # its writer, left to the exit
+
+    @property
+    def _peers(self) -> bool:
+        """Peer recovery is on (the ring may also run for the node-local tier alone)."""
+        return self._ring is not None and self.options.peer_recovery
 
     # --- what the scheduler owns, where callers read it ----------------------------------
 
@@ -410,7 +418,7 @@ class CheckpointManager:
             self._cadence.saved(persistent)
         # A machine's copy holds the replicated state too, and so does a sharded save's
         # copy in a neighbour's memory (shard_copies.py).
-        if self.is_primary or local or (staged is not None and self._ring is not None):
+        if self.is_primary or local or (staged is not None and self._peers):
             tree["shared"] = staged.replicated if staged else collect(self._tracked)
         check_weights_only(tree, where="checkpoint state")
         # A blocking save writes the live state (nothing can change it meanwhile); an async
@@ -542,8 +550,9 @@ class CheckpointManager:
         """This life ends on an error after ``step`` finished steps: leave its state in the
         process's memory, where the next life's restore finds it (peers.py). A reference,
         not a copy; nothing when the state is not that of step ``step``'s boundary."""
-        if self._ring is None:
+        if not self._peers:
             return
+        assert self._ring is not None
         self._ring.memory.shards_handed_over = True   # sharded saves' copies: usable now
 
         def state() -> dict[str, Any]:
@@ -622,7 +631,7 @@ class CheckpointManager:
         """The node-local copy first (fast, and what a restart in place reads), then the
         persistent one. A node-local failure only warns: the persistent tier still holds
         every step it committed, and the next save tries the machine's disk again."""
-        if "dcp" in snap and self._ring is not None:
+        if "dcp" in snap and self._peers:
             self._copy_shards(step, snap)   # memory first: the fastest tier
         if local:
             assert self._local is not None
@@ -793,7 +802,7 @@ class CheckpointManager:
         self.wait()
         t0 = time.perf_counter()
         reason = ""
-        if self._ring is not None:
+        if self._peers:
             sharded = uses_sharded_layout(self._tracked)
             mine = shard_copies.report(self._ring.memory, self.rank, self.storage.url) \
                 if sharded else self._ring.report()
@@ -912,22 +921,18 @@ class CheckpointManager:
             self._warn_uncommitted(infos)
         problems: list[str] = []
         for step, name in sorted(names, reverse=True):
-            loaded: tuple[Manifest, dict[str, Any] | None, dict[str, Any] | None] | None = None
+            loaded: tuple[Manifest, dict[str, Any], dict[str, Any] | None] | None = None
             try:
                 loaded = self._load_step(step, name)
             except CorruptCheckpointError as exc:
                 problems.append(str(exc))
             # Every rank must restore the same step: one rank's bad file skips it for all.
             if self.coord.allreduce_max([0 if loaded else 1])[0] == 0 and loaded is not None:
-                manifest, maybe_shared, mine = loaded
-                try:
-                    shared = self._share(maybe_shared, name, manifest)
-                except CorruptCheckpointError as exc:   # the same on every rank
-                    problems.append(str(exc))
-                else:
-                    self._apply(manifest, shared, mine, strict)
-                    self.known.restored = name
-                    return step
+                manifest, shared, mine = loaded
+                shared = self._share(shared)
+                self._apply(manifest, shared, mine, strict)
+                self.known.restored = name
+                return step
             self.known.bad.add(name)
             log.warning("checkpoint %s does not verify%s; trying the previous one",
                         self.storage.url_of(name), f": {problems[-1]}" if problems else
@@ -983,7 +988,7 @@ class CheckpointManager:
             log.info("no checkpoint in %s: starting from step 0", self.storage.url)
 
     def _load_step(self, step: int, name: str
-                   ) -> tuple[Manifest, dict[str, Any] | None, dict[str, Any] | None]:
+                   ) -> tuple[Manifest, dict[str, Any], dict[str, Any] | None]:
         where = self.storage.url_of(name)
         manifest = read_manifest(self.storage, name, step)
         present = set(list_files(self.storage, name))
@@ -992,10 +997,8 @@ class CheckpointManager:
             raise CorruptCheckpointError(f"{where}: " + "; ".join(problems))
         # Read once: the replicated state is the same for every rank, so the primary reads
         # it and broadcasts it (_share) instead of every rank reading the same bytes.
-        shared: dict[str, Any] | None = {}
-        if self._streams_shared(name):
-            shared = None   # read and broadcast at once, once every rank agrees (_share)
-        elif self._reads_shared():
+        shared: dict[str, Any] = {}
+        if self._reads_shared():
             shared = load_verified(self.storage, name, SHARED_FILE, manifest)
             self._read_bytes += manifest.files[SHARED_FILE].size
         if manifest.layout == SHARDED_LAYOUT:  # deep-check the DCP files this rank reads
@@ -1010,39 +1013,12 @@ class CheckpointManager:
     def _reads_shared(self) -> bool:
         return self.is_primary or getattr(self.coord, "main_group", None) is None
 
-    def _streams_shared(self, name: str) -> bool:
-        """Whether the replicated file goes to every rank as it is read (remote storage,
-        several ranks): reading overlaps the broadcast. A local file is memory-mapped and
-        loaded by the primary first, then broadcast as tensors."""
-        return (self.world_size > 1 and getattr(self.coord, "main_group", None) is not None
-                and self.storage.local_path(f"{name}/{SHARED_FILE}") is None)
-
-    def _share(self, shared: dict[str, Any] | None, name: str,
-               manifest: Manifest) -> dict[str, Any]:
-        """The primary's replicated state on every rank, read once: streamed as its bytes
-        are read (None: not read yet), else broadcast as a tree. Raises
-        CorruptCheckpointError on every rank when the primary finds the file bad."""
+    def _share(self, shared: dict[str, Any]) -> dict[str, Any]:
+        """The primary's replicated state on every rank (read once, broadcast)."""
         group = getattr(self.coord, "main_group", None)
         if self.world_size == 1 or group is None:
-            assert shared is not None
             return shared
-        if shared is not None:
-            return broadcast_tree(shared if self.is_primary else None, 0, self.rank,
-                                  group).tree
-        where = self.storage.url_of(f"{name}/{SHARED_FILE}")
-        size = manifest.files[SHARED_FILE].size
-        reader = VerifiedReader(self.storage, name, SHARED_FILE, manifest) \
-            if self.is_primary else None
-        got = broadcast_file(reader, size, 0, self.rank, group)
-        if isinstance(got, BaseException):
-            if isinstance(got, CorruptCheckpointError) or not self.is_primary:
-                raise CorruptCheckpointError(
-                    got.args[0] if self.is_primary else f"{where}: the primary could not "
-                    f"read it ({type(got).__name__})") from got
-            raise got   # the primary's storage error, as it was (an outage: transient)
-        if self.is_primary:
-            self._read_bytes += size
-        return load_checked(BufferReader(got), where)
+        return broadcast_tree(shared if self.is_primary else None, 0, self.rank, group).tree
 
     def _apply(self, manifest: Manifest, shared: dict[str, Any], mine: dict[str, Any] | None,
                strict: bool) -> None:

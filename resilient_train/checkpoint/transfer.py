@@ -1,5 +1,4 @@
-"""Move a state tree between the ranks of a process group: to one rank, or to all; and a
-file's bytes, read by one rank, to all (:func:`broadcast_file`: read once, broadcast).
+"""Move a state tree between the ranks of a process group: to one rank, or to all.
 
 A tree (what :func:`~.state.collect` returns: dicts, lists, tensors, plain values) travels
 as a small *skeleton* (the tree with every tensor replaced by an empty one of its dtype,
@@ -17,8 +16,7 @@ the sender and land on the host on the receiver; ``load_state_dict`` moves them 
 from __future__ import annotations
 
 import io
-import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -177,56 +175,3 @@ def broadcast_tree(tree: Any, src: int, rank: int, group: Any) -> Moved:
             _unpack(tensors, message, data)
     return Moved(tree, _nbytes(tensors))
 
-
-# --- a file's bytes, read by one rank, on every rank ---------------------------------------
-
-FILE_CHUNK = 16 << 20
-_OK, _FAILED = 1, 0
-
-
-def broadcast_file(read: Callable[[memoryview], None] | None, size: int, src: int, rank: int,
-                   group: Any, chunk: int = FILE_CHUNK) -> bytearray | BaseException:
-    """The ``size`` bytes that rank ``src`` reads with ``read`` (which fills the buffer it
-    is given, in order, one chunk per call), on every rank of ``group``; the others pass
-    None. The reading of each chunk overlaps the broadcast of the one before (a reader
-    thread on ``src``), so the whole costs about the slower of the two, not their sum.
-    When ``src``'s read raises, every rank still takes part to the end and gets an
-    exception instead (on ``src``: the one raised)."""
-    import torch.distributed as dist
-
-    buf = bytearray(size)
-    view = memoryview(buf)
-    bounds = [(o, min(chunk, size - o)) for o in range(0, size, chunk)]
-    ready: list[threading.Event] = [threading.Event() for _ in bounds]
-    failure: list[BaseException] = []
-
-    def reader() -> None:
-        try:
-            for (offset, n), done in zip(bounds, ready):
-                assert read is not None
-                read(view[offset:offset + n])
-                done.set()
-        except BaseException as exc:   # handed to the main thread: it ends the protocol
-            failure.append(exc)
-            for done in ready:
-                done.set()
-
-    thread = None
-    if rank == src:
-        thread = threading.Thread(target=reader, name="rt-read-once", daemon=True)
-        thread.start()
-    for (offset, n), done in zip(bounds, ready):
-        if rank == src:
-            done.wait()
-        part = torch.frombuffer(buf, dtype=torch.uint8, count=n, offset=offset)
-        dist.broadcast(part, src, group=group)
-    status = torch.tensor([_OK if rank != src or not failure else _FAILED], dtype=torch.int64)
-    if thread is not None:
-        thread.join()
-        status[0] = _FAILED if failure else _OK
-    dist.broadcast(status, src, group=group)
-    if int(status.item()) == _OK:
-        return buf
-    if failure:
-        return failure[0]
-    return RuntimeError(f"rank {src} could not read the file it broadcasts")

@@ -202,10 +202,9 @@ def corrupt(ckpt: str, coord: Coordinator) -> dict[str, Any]:
 
 
 def corrupt_gcs(ckpt: str, coord: Coordinator) -> dict[str, Any]:
-    """On an object store (the emulator) the replicated file streams to every rank as the
-    primary reads it: save steps 2 and 4, flip a byte of step 4's shared.pt, restore with
-    fresh objects: every rank learns at the stream's end that it does not verify, and all
-    take step 2 (streamed too)."""
+    """On an object store (the emulator) the primary alone reads the replicated file: save
+    steps 2 and 4, flip a byte of step 4's shared.pt, restore with fresh objects: the
+    primary finds it does not verify, and every rank takes step 2."""
     from resilient_train.checkpoint.storage import Storage
 
     options = {"endpoint_url": os.environ["RT_GCS_ENDPOINT"], "token": "anon"}
