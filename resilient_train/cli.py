@@ -15,6 +15,7 @@ import secrets
 import sys
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -34,6 +35,11 @@ _DEFAULT_MAX_WAIT = 24 * 3600.0
 _JOB_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
 # The values of launcher.scalars.TensorBoardMode, here so that parsing imports nothing more.
 TENSORBOARD_MODES = ("auto", "on", "off")
+# launcher.export.FORMATS, for the same reason.
+EXPORT_FORMATS = ("spec", "custom-job", "jobset")
+# What still applies to `export --from-job` (the record says the rest).
+_FROM_JOB_OPTIONS = frozenset({"cmd", "verbose", "from_job", "image", "accelerator_type",
+                               "format", "output", "name", "output_dir", "machine_type"})
 
 EPILOG = """\
 exit status: 0 when the job SUCCEEDED; otherwise the root cause's exit code (a worker's
@@ -145,6 +151,29 @@ def _parser() -> argparse.ArgumentParser:
                     "package is installed (default), on (gs:// too), off")
     lp.add_argument("command", nargs=argparse.REMAINDER)
 
+    # Every launch option, so that `launch` becomes `export` on the same command line.
+    ep = sub.add_parser("export", parents=[lp], conflict_handler="resolve",
+                        help="write the tested job as a Vertex AI CustomJob spec or a "
+                        "Kubernetes JobSet (docs/export.md)",
+                        usage="resilient-train export --image URI [launch options] "
+                              "[-- COMMAND [ARGS...]]\n"
+                              "       resilient-train export --from-job JOB_DIR [--image URI] "
+                              "[--format FORMAT] [-o FILE]")
+    ep.add_argument("--image", metavar="URI",
+                    help="the container image of every pool (of those that ran workerpool0's "
+                    "image, with a job spec)")
+    ep.add_argument("--accelerator-type", metavar="TYPE",
+                    help="e.g. NVIDIA_TESLA_T4: the GPU type of pools with GPUs")
+    ep.add_argument("--format", choices=EXPORT_FORMATS, default="spec",
+                    help="spec: a CustomJobSpec for gcloud ai custom-jobs create --config "
+                    "(default); custom-job: the whole CustomJob, with labels; jobset: a "
+                    "Kubernetes JobSet manifest")
+    ep.add_argument("-o", "--output", type=Path, metavar="FILE",
+                    help="write it there (JSON when FILE ends in .json) instead of stdout")
+    ep.add_argument("--from-job", type=Path, metavar="JOB_DIR",
+                    help="the job as a launch recorded it in JOB_DIR/job.json; only --image, "
+                    "--accelerator-type, --machine-type, --output-dir and --name apply with it")
+
     cp = sub.add_parser("checkpoints", help="list, verify or prune a checkpoint directory")
     cp.add_argument("action", choices=["list", "verify", "prune"])
     cp.add_argument("directory", help="local path, gs://bucket/prefix, any fsspec URL, or a "
@@ -175,6 +204,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                         format="%(levelname)s %(name)s: %(message)s")
     if args.cmd == "launch":
         return _launch(args, parser)
+    if args.cmd == "export":
+        return _export(args, parser)
     if args.cmd == "checkpoints":
         from .checkpoint_cli import run_checkpoints  # the directory library only
 
@@ -241,6 +272,7 @@ def _options(args: argparse.Namespace, command: tuple[str, ...],
     An option given on the command line beats the job spec, which beats the default; a
     command after -- replaces the spec's (programs.plan_pools has the details)."""
     from .launcher.chaos import load_chaos
+    from .launcher.export import tested_job
     from .launcher.policy import (
         default_policy,
         load_policy,
@@ -315,7 +347,7 @@ def _options(args: argparse.Namespace, command: tuple[str, ...],
               else default_policy(strategy))
     if disable_retries:
         policy = without_retries(policy)
-    return LaunchOptions(
+    options = LaunchOptions(
         command=command,
         job_dir=args.job_dir or Path("rt-jobs") / name,
         job_name=name,
@@ -340,7 +372,63 @@ def _options(args: argparse.Namespace, command: tuple[str, ...],
         listed_only=listed_only,
         shared_workdir=args.shared_workdir,
         tensorboard=TensorBoardMode(args.tensorboard),
-    ), notes
+    )
+    platform = tested_job(options, spec, machine_type=args.machine_type,
+                          gpus=args.gpus_per_worker, disable_retries=disable_retries)
+    return replace(options, platform_job=platform), notes
+
+
+def _export(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    from .launcher.chaos import ChaosSpecError
+    from .launcher.export import ExportError, complete, job_from_record, render, with_overrides
+    from .launcher.jobspec import JobSpecError, load_job_spec
+    from .launcher.policy import PolicyError
+    from .launcher.record import read_job
+    from .launcher.runner import LaunchError
+
+    command = list(args.command)
+    if command and command[0] == "--":
+        command = command[1:]
+    if args.from_job is None and not command and args.job_spec is None:
+        parser.error("export needs the launch's options and command, e.g. resilient-train "
+                     "export --image URI -- python train.py, or --from-job JOB_DIR")
+    try:
+        if args.from_job is not None:
+            defaults = vars(_parser().parse_args(["export"]))
+            extra = sorted("a command after --" if key == "command" else
+                           "--" + key.replace("_", "-") for key, value in vars(args).items()
+                           if key not in _FROM_JOB_OPTIONS and value != defaults.get(key))
+            if extra:
+                raise LaunchError(
+                    f"--from-job exports the job as its record says; drop {', '.join(extra)} "
+                    f"(with it only --image, --accelerator-type, --machine-type, --output-dir "
+                    f"and --name apply)")
+            job = with_overrides(job_from_record(read_job(args.from_job)), name=args.name,
+                                 output_dir=args.output_dir, machine_type=args.machine_type)
+        else:
+            spec = load_job_spec(args.job_spec) if args.job_spec is not None else None
+            recorded = _options(args, tuple(command), spec)[0].platform_job
+            assert recorded is not None   # _options records it for every launch
+            job = recorded
+        job = complete(job, image=args.image, accelerator_type=args.accelerator_type)
+        as_json = args.output is not None and args.output.suffix.lower() == ".json"
+        text = render(job, args.format, as_json=as_json and args.format != "jobset")
+        if args.output is not None:
+            args.output.write_text(text, encoding="utf-8")
+    except (ExportError, LaunchError, ChaosSpecError, PolicyError, JobSpecError, OSError,
+            ValueError) as exc:
+        print(f"resilient-train export: error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    if args.output is None:
+        sys.stdout.write(text)
+    # On stderr: stdout may be the document itself.
+    for item in job.left_out:
+        print(f"export: left out {item.text}", file=sys.stderr)
+    for note in job.notes:
+        print(f"export: {note}", file=sys.stderr)
+    if args.output is not None:
+        print(f"export: wrote {args.format} to {args.output}", file=sys.stderr)
+    return 0
 
 
 def _given(explicit: Any, from_spec: Any, default: Any) -> Any:

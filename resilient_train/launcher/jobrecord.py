@@ -17,7 +17,7 @@ import socket
 import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..goodput import Goodput, account
 from ..telemetry import LifeReader, LifeTelemetry, read_life, write_failures
@@ -37,6 +37,9 @@ from .record import (
 )
 from .resources import process_start_time
 
+if TYPE_CHECKING:
+    from .export import PlatformJob
+
 __all__ = ["JobRecord", "job_spec", "launcher_alive"]
 
 log = logging.getLogger(__name__)
@@ -48,9 +51,10 @@ TELEMETRY_CHECK_S = 1.0
 
 def job_spec(pools: Sequence[tuple[str, int]], listed_only: Sequence[tuple[str, int]],
              programs: Mapping[str, PoolProgram], output_base: str,
-             master_port: int) -> dict[str, Any]:
-    """The record's ``job_spec``: what ran, secrets masked (no ``--token=...``)."""
-    return {
+             master_port: int, platform: PlatformJob | None = None) -> dict[str, Any]:
+    """The record's ``job_spec``: what ran, secrets masked (no ``--token=...``); with
+    ``platform``, also what the platform would run (``export --from-job`` reads it)."""
+    spec: dict[str, Any] = {
         "command": mask_command(programs["workerpool0"].command),
         "worker_pool_specs": [
             {"pool": p, "replica_count": n,
@@ -62,6 +66,9 @@ def job_spec(pools: Sequence[tuple[str, int]], listed_only: Sequence[tuple[str, 
         "base_output_directory": output_base,
         "master_port": master_port,
     }
+    if platform is not None:
+        spec["platform"] = platform.to_json()
+    return spec
 
 
 class JobRecord:

@@ -105,6 +105,9 @@ class PoolSpec:
     memory_limit: int | None = None          # from machine_type; None: not in the table
     accelerator_type: str | None = None
     accelerator_count: int = 0
+    # A pythonPackageSpec's packageUris (its command is then python -m MODULE ARGS), kept
+    # so that an export writes the pool as the spec did.
+    package_uris: tuple[str, ...] = ()
 
     @property
     def is_reduction_server(self) -> bool:
@@ -351,6 +354,7 @@ class _Pool:
     machine_type: str
     accelerator_type: str | None
     accelerator_count: int
+    package_uris: tuple[str, ...] = ()
 
 
 class _Parser:
@@ -402,7 +406,7 @@ class _Parser:
             pool_specs.append(PoolSpec(
                 f"workerpool{pool.index}", f"{wps}[{pool.index}]", pool.replicas,
                 pool.command, pool.image, MappingProxyType(dict(pool.env)), pool.machine_type,
-                memory, pool.accelerator_type, pool.accelerator_count))
+                memory, pool.accelerator_type, pool.accelerator_count, pool.package_uris))
         if self.ignored:
             self.notes.append(("fields", "not reproduced locally, ignored: "
                                + ", ".join(self.ignored)))
@@ -467,12 +471,14 @@ class _Parser:
                 f"{path}: give exactly one of containerSpec (a custom container) and "
                 f"pythonPackageSpec (a Python package on a prebuilt image), found "
                 f"{'both' if has_container else 'neither'}")
+        packages: tuple[str, ...] = ()
         if has_container:
             command, image, env = self.container(pool["containerSpec"], f"{path}.containerSpec")
         else:
-            command, image, env = self.python_package(pool["pythonPackageSpec"],
-                                                      f"{path}.pythonPackageSpec")
-        return _Pool(index, replicas, command, image, env, machine_type, acc_type, count)
+            command, image, env, packages = self.python_package(pool["pythonPackageSpec"],
+                                                                f"{path}.pythonPackageSpec")
+        return _Pool(index, replicas, command, image, env, machine_type, acc_type, count,
+                     packages)
 
     def container(self, raw: Any, path: str) -> tuple[tuple[str, ...] | None, str, dict[str, str]]:
         spec = self.obj(raw, path, _CONTAINER_USED, set())
@@ -491,8 +497,8 @@ class _Parser:
                 f"ENTRYPOINT, which the launcher cannot see")))
         return (None if command is None else command + args), image, env
 
-    def python_package(self, raw: Any,
-                       path: str) -> tuple[tuple[str, ...] | None, str, dict[str, str]]:
+    def python_package(self, raw: Any, path: str
+                       ) -> tuple[tuple[str, ...], str, dict[str, str], tuple[str, ...]]:
         spec = self.obj(raw, path, _PYTHON_PACKAGE_USED, set())
         for name, example in (("executorImageUri", "IMAGE (a prebuilt training image)"),
                               ("packageUris", "[gs://BUCKET/trainer-0.1.tar.gz]"),
@@ -508,7 +514,7 @@ class _Parser:
             f"{path}: runs python -m {module} here; its packageUris "
             f"({', '.join(packages)}) are not installed locally: install the package in "
             f"this environment first")))
-        return ("python", "-m", module, *args), image, env
+        return ("python", "-m", module, *args), image, env, packages
 
     def env(self, raw: Any, path: str) -> dict[str, str]:
         if not isinstance(raw, list):

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from .jobspec import JobSpec, JobSpecError, PoolSpec
 from .workerenv import TRAINING_POOLS
 
-__all__ = ["PoolPlan", "PoolProgram", "plan_pools"]
+__all__ = ["PoolPlan", "PoolProgram", "plan_pools", "pool_spec_for"]
 
 
 @dataclass(frozen=True)
@@ -64,7 +64,7 @@ def plan_pools(spec: JobSpec, *, source: str, command: tuple[str, ...] | None,
         replicas = wanted[name]
         if replicas <= 0:
             continue
-        pool = spec.pool(name) or _like(primary, name)
+        pool = pool_spec_for(spec, name)
         if command is not None and pool.command == primary.command:
             replaced.append(name)
             pool_command: tuple[str, ...] | None = command
@@ -99,11 +99,17 @@ def plan_pools(spec: JobSpec, *, source: str, command: tuple[str, ...] | None,
     return PoolPlan(tuple(pools), tuple(listed), tuple(programs), tuple(notes))
 
 
+def pool_spec_for(spec: JobSpec, name: str) -> PoolSpec:
+    """The spec's pool ``name``; one the spec leaves empty (asked for by --pool or
+    --workers) runs workerpool0's program on workerpool0's machine."""
+    return spec.pool(name) or _like(spec.pool_specs[0], name)
+
+
 def _like(primary: PoolSpec, name: str) -> PoolSpec:
     """A pool the spec leaves empty but the command line asks for: workerpool0's program."""
     return PoolSpec(name, f"--pool {name}", 0, primary.command, primary.image, primary.env,
                     primary.machine_type, primary.memory_limit, primary.accelerator_type,
-                    primary.accelerator_count)
+                    primary.accelerator_count, primary.package_uris)
 
 
 def _no_command(source: str, pool: PoolSpec, name: str) -> str:

@@ -27,7 +27,7 @@ import uuid
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..cluster import NODE_LOCAL_DIR_ENV
 from ..ports import free_port
@@ -66,6 +66,9 @@ from .record import (
 from .resources import detect_gpus
 from .scalars import JobScalars, TensorBoardMode, TensorBoardUnavailable, open_scalars
 from .workerenv import JobEnv, Replica, replicas_for, tensorboard_log_dir, worker_env
+
+if TYPE_CHECKING:
+    from .export import PlatformJob
 
 __all__ = ["NO_STEP_WARNING_S", "LaunchError", "LaunchOptions", "Launcher", "launcher_alive"]
 
@@ -117,6 +120,9 @@ class LaunchOptions:
     # Step time, goodput and recoveries as TensorBoard scalars in AIP_TENSORBOARD_LOG_DIR
     # (scalars.py): auto writes them when it is local and the tensorboard package is there.
     tensorboard: TensorBoardMode = TensorBoardMode.AUTO
+    # What the platform would run (export.PlatformJob), recorded in job.json so that
+    # `resilient-train export --from-job` writes the job as tested; None: not recorded.
+    platform_job: PlatformJob | None = None
 
     def program(self, pool: str) -> PoolProgram:
         """What the replicas of ``pool`` run."""
@@ -173,7 +179,7 @@ class Launcher:
         self.record = JobRecord(
             self.job_dir, self.machine,
             job_spec(options.pools, options.listed_only, self._programs, self.env.output_base,
-                     self.env.master_port),
+                     self.env.master_port, options.platform_job),
             self.replicas[0].name, self.echo, chaos=bool(options.chaos),
             unfired=self.unfired_faults, exit_status=lambda: self.exit_status)
         try:

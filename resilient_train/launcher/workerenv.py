@@ -77,6 +77,15 @@ def tensorboard_log_dir(output_base: str) -> str:
     return f"{output_base}/logs/"
 
 
+def output_dirs(output_base: str) -> dict[str, str]:
+    """The platform's AIP_* directories under a job's output base (no trailing slash)."""
+    return {
+        "AIP_MODEL_DIR": f"{output_base}/model/",
+        "AIP_CHECKPOINT_DIR": f"{output_base}/checkpoints/",
+        "AIP_TENSORBOARD_LOG_DIR": tensorboard_log_dir(output_base),
+    }
+
+
 def worker_env(job: JobEnv, replica: Replica, *, attempt: int, restart: int,
                error_file: str, gpu_ids: Sequence[int] | None,
                base: Mapping[str, str], telemetry: str = "", failures_file: str = "",
@@ -99,9 +108,7 @@ def worker_env(job: JobEnv, replica: Replica, *, attempt: int, restart: int,
         # The platform sets the project *number*; locally there is none: a number that
         # no real project has, unless the user's environment names one.
         "CLOUD_ML_PROJECT_ID": base.get("CLOUD_ML_PROJECT_ID") or LOCAL_PROJECT_NUMBER,
-        "AIP_MODEL_DIR": f"{job.output_base}/model/",
-        "AIP_CHECKPOINT_DIR": f"{job.output_base}/checkpoints/",
-        "AIP_TENSORBOARD_LOG_DIR": tensorboard_log_dir(job.output_base),
+        **output_dirs(job.output_base),
         # torchrun's variables, so scripts written for torchrun run unchanged.
         "TORCHELASTIC_RESTART_COUNT": str(restart),
         "TORCHELASTIC_RUN_ID": job.job_id,

@@ -1,0 +1,531 @@
+"""The job you tested, as the platform's ``CustomJob``: what ``resilient-train export``
+writes.
+
+One job per step. ``tested_job`` turns a launch's merged options (``cli._options``: the
+command line over the job spec) into a :class:`PlatformJob`, what the platform would run;
+the launcher records it in job.json (``job_spec.platform``, secrets masked) and
+:func:`job_from_record` reads it back. :func:`complete` fills in what only the platform
+needs (a container image, a machine type, an accelerator type) or says what is missing,
+and :func:`custom_job_spec` / :func:`custom_job` write the documents, checked by reading
+them back with ``jobspec.parse_job_spec``: what is exported is what ``launch --job-spec``
+runs. ``jobset.py`` writes the same job for Kubernetes.
+
+Pure: nothing here starts a process, probes the machine or reads the environment.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field, fields, replace
+from types import MappingProxyType
+from typing import TYPE_CHECKING, Any
+
+from .jobspec import JobSpec, JobSpecError, parse_job_spec
+from .policy import DEFAULT_BUDGETS, Strategy, default_policy
+from .programs import pool_spec_for
+from .record import SECRET_MASK, is_secret_name, mask_command
+from .resources import MACHINE_TYPES, memory_limit_for
+
+if TYPE_CHECKING:
+    from .runner import LaunchOptions
+
+__all__ = [
+    "DEFAULT_MACHINE_TYPE", "FORMATS", "ExportError", "LeftOut", "PlatformJob",
+    "PlatformPool", "complete", "custom_job", "custom_job_spec", "job_from_record",
+    "labels", "render", "tested_job", "with_overrides",
+]
+
+# What `--format` takes: a bare CustomJobSpec (gcloud's --config), a whole CustomJob (the
+# REST body, with displayName and labels), a JobSet manifest (jobset.py).
+FORMATS = ("spec", "custom-job", "jobset")
+# The platform needs a machine type for every pool; a local run without --machine-type
+# had none. The smallest general-purpose shape of the launcher's table.
+DEFAULT_MACHINE_TYPE = "n1-standard-4"
+LEFT_OUT_LABEL = "resilient-train-left-out"
+EXPORTED_LABEL = "resilient-train"
+_LABEL_VALUE_CHARS = 63
+_IMAGE_EXAMPLE = "us-central1-docker.pkg.dev/PROJECT/REPO/IMAGE:TAG"
+
+
+class ExportError(ValueError):
+    """The job cannot be exported as it is; the message names what is missing and the fix."""
+
+
+@dataclass(frozen=True)
+class PlatformPool:
+    """One worker pool as the platform would run it."""
+
+    pool: str                                   # "workerpool2"
+    replicas: int
+    command: tuple[str, ...] | None             # None: the image's ENTRYPOINT
+    image: str | None = None                    # None: not known yet (--image gives it)
+    env: Mapping[str, str] = field(default_factory=lambda: MappingProxyType({}))
+    machine_type: str | None = None             # None: not known yet (DEFAULT_MACHINE_TYPE)
+    accelerator_type: str | None = None
+    accelerator_count: int = 0
+    package_uris: tuple[str, ...] = ()          # a pythonPackageSpec's packages
+
+    @property
+    def index(self) -> int:
+        return int(self.pool.removeprefix("workerpool"))
+
+
+@dataclass(frozen=True)
+class LeftOut:
+    """A local-only option the launch used, which the platform's job cannot carry."""
+
+    option: str     # "--chaos"
+    value: str      # as given ("kill:1@30s"), "" for a flag
+    why: str
+
+    @property
+    def text(self) -> str:
+        given = f"{self.option} {self.value}" if self.value else self.option
+        return f"{given}: {self.why}"
+
+
+@dataclass(frozen=True)
+class PlatformJob:
+    """What the platform would run for a tested job. Scheduling values are the platform's:
+    ``timeout`` None means "not set" (the platform's 7 days), ``max_wait`` None "forever"."""
+
+    name: str
+    pools: tuple[PlatformPool, ...]
+    strategy: Strategy = Strategy.STANDARD
+    timeout: float | None = None
+    max_wait: float | None = None
+    restart_job_on_worker_restart: bool = False
+    disable_retries: bool = False
+    output_dir: str | None = None               # gs:// only
+    left_out: tuple[LeftOut, ...] = ()
+    notes: tuple[str, ...] = ()
+
+    @property
+    def primary(self) -> PlatformPool:
+        return self.pools[0]
+
+    def to_json(self) -> dict[str, Any]:
+        """The record's form (job.json's ``job_spec.platform``): commands and secret
+        variables masked, as everywhere in a job's files."""
+        return {
+            "name": self.name,
+            "pools": [{
+                "pool": p.pool, "replicas": p.replicas,
+                "command": None if p.command is None else mask_command(p.command),
+                "image": p.image,
+                "env": {k: SECRET_MASK if is_secret_name(k) else v for k, v in p.env.items()},
+                "machine_type": p.machine_type, "accelerator_type": p.accelerator_type,
+                "accelerator_count": p.accelerator_count,
+                "package_uris": list(p.package_uris),
+            } for p in self.pools],
+            "scheduling": {
+                "strategy": self.strategy.name, "timeout_s": self.timeout,
+                "max_wait_s": self.max_wait,
+                "restart_job_on_worker_restart": self.restart_job_on_worker_restart,
+                "disable_retries": self.disable_retries,
+            },
+            "output_dir": self.output_dir,
+            "left_out": [{"option": x.option, "value": x.value, "why": x.why}
+                         for x in self.left_out],
+            "notes": list(self.notes),
+        }
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> PlatformJob:
+        s = data["scheduling"]
+        return cls(
+            name=data["name"],
+            pools=tuple(PlatformPool(
+                p["pool"], int(p["replicas"]),
+                None if p["command"] is None else tuple(p["command"]), p.get("image"),
+                MappingProxyType(dict(p.get("env") or {})), p.get("machine_type"),
+                p.get("accelerator_type"), int(p.get("accelerator_count") or 0),
+                tuple(p.get("package_uris") or ())) for p in data["pools"]),
+            strategy=Strategy[s["strategy"]],
+            timeout=s.get("timeout_s"),
+            max_wait=s.get("max_wait_s"),
+            restart_job_on_worker_restart=bool(s.get("restart_job_on_worker_restart")),
+            disable_retries=bool(s.get("disable_retries")),
+            output_dir=data.get("output_dir"),
+            left_out=tuple(LeftOut(x["option"], x["value"], x["why"])
+                           for x in data.get("left_out") or ()),
+            notes=tuple(data.get("notes") or ()),
+        )
+
+
+# --- from a launch's options ------------------------------------------------------------
+
+
+def tested_job(options: LaunchOptions, spec: JobSpec | None, *, machine_type: str | None,
+               gpus: int | None, disable_retries: bool) -> PlatformJob:
+    """The platform's job for a launch: ``options`` as ``cli._options`` merged them, the
+    job spec they came from (None without one), and what the options no longer say:
+    ``--machine-type``, ``--gpus-per-worker`` (None: not given) and ``--disable-retries``
+    (folded into the policy)."""
+    machine_type = machine_type.strip().lower() if machine_type else None
+    listed = {pool for pool, _ in options.listed_only}
+    pools: list[PlatformPool] = []
+    notes: list[str] = []
+    for name, replicas in sorted((*options.pools, *options.listed_only),
+                                 key=lambda p: int(p[0].removeprefix("workerpool"))):
+        source = pool_spec_for(spec, name) if spec is not None else None
+        program = None if name in listed else options.program(name)
+        # The spec's (or --gpus-per-worker's) accelerators, not what this machine could
+        # give: launch runs a GPU spec without GPUs on a laptop; the platform gives them.
+        count = gpus if gpus is not None else (source.accelerator_count if source else 0)
+        machine = machine_type or (source.machine_type if source is not None else None)
+        count, acc_type = _attached(name, machine, count,
+                                    source.accelerator_type if source is not None else None,
+                                    gpus is not None, notes)
+        command: tuple[str, ...] | None = None
+        env: Mapping[str, str] = {}
+        if program is not None:
+            command, env = program.command, program.env
+        elif source is not None:     # a pool listed only: the Reduction Server's image
+            command, env = source.command, source.env
+        pools.append(PlatformPool(
+            name, replicas, command, source.image if source is not None else None,
+            MappingProxyType(dict(env)), machine, acc_type if count else None, count,
+            source.package_uris if source is not None else ()))
+    local_paths: dict[str, list[str]] = {}
+    for pool in pools:
+        if pool.command and pool.command[0].startswith("/"):
+            local_paths.setdefault(pool.command[0], []).append(pool.pool)
+    for path, names in local_paths.items():
+        # sys.executable of a virtualenv, say: a path the image rarely has.
+        notes.append(f"the command of {', '.join(names)} starts with a path of this "
+                     f"machine, {path}: make sure the image has it (or run python)")
+    if spec is not None:
+        notes += [f"from the job spec, not exported: {n}" for n in spec.notes_for("fields")]
+    output = options.output_dir if options.output_dir and options.output_dir.startswith(
+        "gs://") else None
+    return PlatformJob(
+        name=options.job_name,
+        pools=tuple(pools),
+        strategy=options.strategy,
+        timeout=options.timeout,
+        max_wait=options.max_wait,
+        restart_job_on_worker_restart=options.restart_job_on_worker_restart,
+        disable_retries=disable_retries,
+        output_dir=output,
+        left_out=tuple(_left_out(options, pools, disable_retries)),
+        notes=tuple(notes),
+    )
+
+
+def _attached(pool: str, machine: str | None, count: int, acc_type: str | None,
+              explicit: bool, notes: list[str]) -> tuple[int, str | None]:
+    """A pool's accelerators on ``machine``: the platform's accelerator-optimized shapes
+    (A2, A3, G2) come with their GPUs attached, whatever the local run used (unless
+    ``explicit``, when the spec's check names the mismatch)."""
+    shape = MACHINE_TYPES.get(machine or "")
+    if shape is None or not shape.gpus:
+        return count, acc_type
+    if not explicit and count != shape.gpus:
+        notes.append(f"{pool}: machine type {machine} comes with {shape.gpus} "
+                     f"{shape.accelerator} per replica on the platform (the local run used "
+                     f"{count})")
+        count = shape.gpus
+    return count, shape.accelerator
+
+
+def _left_out(options: LaunchOptions, pools: Sequence[PlatformPool],
+              disable_retries: bool) -> Iterable[LeftOut]:
+    """The options of the launch that only the local launcher has."""
+    defaults = {f.name: f.default for f in fields(options)}
+    if options.chaos:
+        items = [f.text for f in options.chaos.faults] + [f.text for f in options.chaos.random]
+        yield LeftOut("--chaos", ",".join(items),
+                      "faults are injected by the local launcher only; on the platform they "
+                      "come by themselves")
+    platform_policy = default_policy(options.strategy, disable_retries=disable_retries)
+    if options.policy is not None and options.policy != platform_policy:
+        mine = [r.name for r in options.policy.rules if r not in platform_policy.rules]
+        budgets = [n for n, b in options.policy.budgets.items()
+                   if platform_policy.budgets.get(n) != b]
+        yield LeftOut("--policy", ", ".join(mine + [f"budget {n}" for n in budgets]),
+                      "the platform applies its own restart rules (docs/platform.md, "
+                      "\"Restart rules\"); rules and budgets of yours do not travel")
+    running = dict(options.pools)
+    limits = {limit for p in pools if p.pool in running
+              for limit in [options.program(p.pool).memory_limit] if limit is not None}
+    machine_limits = {memory_limit_for(p.machine_type) for p in pools
+                      if p.machine_type is not None and p.machine_type in MACHINE_TYPES}
+    if limits - machine_limits:
+        shown = ", ".join(f"{n / (1 << 30):.3g}GiB" for n in sorted(limits))
+        yield LeftOut("--memory-limit", shown,
+                      "a replica's memory on the platform is its machine type's; give "
+                      "--machine-type TYPE to test that machine's limit here")
+    if options.output_dir is None or not options.output_dir.startswith("gs://"):
+        yield LeftOut("--output-dir", options.output_dir or "JOB_DIR/output",
+                      "the platform writes outputs to Cloud Storage only: give --output-dir "
+                      "gs://BUCKET/PREFIX (without it the platform sets no AIP_CHECKPOINT_DIR, "
+                      "and a restarted replica finds no checkpoint)")
+    if options.timeout is None:
+        yield LeftOut("--timeout", "0", "the platform has no unlimited timeout; its default "
+                      "of 7 days applies")
+    for name, why in (("cpu_slots", "a share of this machine's CPU quota"),
+                      ("start_jitter", "the platform starts replicas in no order by itself"),
+                      ("grace", "the platform's own SIGTERM-to-SIGKILL grace applies"),
+                      ("shared_workdir", ("on the platform each replica has a machine and "
+                                          "disk of its own"))):
+        value = getattr(options, name)
+        if value != defaults[name]:
+            yield LeftOut("--" + name.replace("_", "-"),
+                          "" if isinstance(value, bool) else f"{value:g}", why)
+
+
+# --- from a job's record ----------------------------------------------------------------
+
+
+def job_from_record(record: Mapping[str, Any]) -> PlatformJob:
+    """The platform's job from a job.json (``read_job``). A record written before job.json
+    kept ``job_spec.platform`` gives its pools, commands, GPUs and scheduling only."""
+    try:
+        return _from_record(record)
+    except ExportError:
+        raise
+    except (AttributeError, KeyError, TypeError, ValueError) as exc:
+        raise ExportError(
+            f"job record of {record.get('name', '?')}: not in the shape resilient-train "
+            f"launch writes ({exc!r}); export from the launch's options instead") from None
+
+
+def with_overrides(job: PlatformJob, *, name: str | None = None, output_dir: str | None = None,
+                   machine_type: str | None = None) -> PlatformJob:
+    """A recorded job with what ``export --from-job`` may still say: its display name,
+    a ``gs://`` output directory (a local run's is left out), every pool's machine type."""
+    if output_dir is not None and not output_dir.startswith("gs://"):
+        raise ExportError(f"--output-dir {output_dir}: the platform writes outputs to Cloud "
+                          f"Storage only; give gs://BUCKET/PREFIX")
+    notes = list(job.notes)
+    pools = job.pools
+    if machine_type is not None:
+        machine = machine_type.strip().lower()
+        pools = tuple(replace(p, machine_type=machine, accelerator_count=count,
+                              accelerator_type=acc if count else None)
+                      for p in job.pools
+                      for count, acc in [_attached(p.pool, machine, p.accelerator_count,
+                                                   p.accelerator_type, False, notes)])
+    left_out = tuple(x for x in job.left_out
+                     if not (output_dir is not None and x.option == "--output-dir"))
+    return replace(job, name=name or job.name, pools=pools, left_out=left_out,
+                   output_dir=output_dir or job.output_dir, notes=tuple(notes))
+
+
+def _from_record(record: Mapping[str, Any]) -> PlatformJob:
+    spec = record.get("job_spec") or {}
+    if spec.get("platform"):
+        return PlatformJob.from_json(spec["platform"])
+    pools = [p for p in spec.get("worker_pool_specs") or () if "pool" in p]
+    if not pools:
+        raise ExportError(f"job record of {record.get('name', '?')}: no job_spec with worker "
+                          f"pools; is it a job.json that resilient-train launch wrote?")
+    sched = record.get("scheduling") or {}
+    budgets = record.get("budgets") or {}
+    retries = budgets.get("job_retries", {}).get("limit", DEFAULT_BUDGETS["job_retries"].limit)
+    output = spec.get("base_output_directory") or ""
+    return PlatformJob(
+        name=record.get("name") or "rt-job",
+        pools=tuple(PlatformPool(
+            p["pool"], int(p["replica_count"]),
+            None if p.get("listed_only") else tuple(p["command"]),
+            accelerator_count=int(p.get("gpus_per_replica") or 0)) for p in pools),
+        strategy=Strategy(sched.get("strategy", Strategy.STANDARD.value)),
+        timeout=sched.get("timeout_s"),
+        max_wait=sched.get("max_wait_duration_s"),
+        restart_job_on_worker_restart=bool(sched.get("restart_job_on_worker_restart")),
+        disable_retries=retries == 0,
+        output_dir=output if output.startswith("gs://") else None,
+        notes=(("the record predates job.json's platform section: each pool's env, image, "
+                "machine and accelerator type are not in it, nor the local-only options it "
+                "used; give --image, --machine-type and --accelerator-type, or export from "
+                "the launch's options"),),
+    )
+
+
+# --- what only the platform needs -------------------------------------------------------
+
+
+def complete(job: PlatformJob, *, image: str | None = None,
+             accelerator_type: str | None = None) -> PlatformJob:
+    """``job`` with every pool's image, machine type and accelerator type, or an
+    :class:`ExportError` naming what is missing and the option that gives it.
+
+    ``image`` replaces workerpool0's image and that of every pool with the same one (a
+    Reduction Server's keeps its own), and is the image of pools that have none;
+    ``accelerator_type`` is the type of every pool with accelerators."""
+    primary_image = job.primary.image
+    notes = list(job.notes)
+    pools = []
+    defaulted = []
+    for pool in job.pools:
+        pool_image = pool.image
+        if image is not None and (pool_image is None or pool_image == primary_image):
+            pool_image = image
+        machine = pool.machine_type
+        if machine is None:
+            machine = DEFAULT_MACHINE_TYPE
+            defaulted.append(pool.pool)
+        acc = accelerator_type if accelerator_type and pool.accelerator_count else (
+            pool.accelerator_type)
+        if pool.accelerator_count and acc is None:
+            raise ExportError(
+                f"{pool.pool} asks for {pool.accelerator_count} GPU(s) per replica but names "
+                f"no accelerator type: give --accelerator-type TYPE (e.g. NVIDIA_TESLA_T4 with "
+                f"an n1 machine type), or a --machine-type that comes with its GPUs "
+                f"(g2-standard-8: 1 NVIDIA_L4)")
+        pools.append(replace(pool, image=pool_image, machine_type=machine,
+                             accelerator_type=acc if pool.accelerator_count else None))
+    missing = [p.pool for p in pools if p.image is None]
+    if missing:
+        raise ExportError(
+            f"no container image for {', '.join(missing)}: the platform runs each pool's "
+            f"command in a container image; give --image {_IMAGE_EXAMPLE} (an image with "
+            f"your code and its dependencies, e.g. built from examples/platform/Dockerfile), "
+            f"or launch from a --job-spec whose pools name their imageUri")
+    masked = [f"{p.pool} command" for p in pools if p.command and SECRET_MASK in p.command]
+    masked += [f"{p.pool} env {k}" for p in pools for k, v in p.env.items() if v == SECRET_MASK]
+    if masked:
+        raise ExportError(
+            f"the job record masks secrets ({', '.join(masked)}): exported, they would be "
+            f"{SECRET_MASK}. Export from the launch's options instead (resilient-train "
+            f"export --image IMAGE [the launch's options] -- COMMAND), and keep secrets in "
+            f"Secret Manager rather than in a spec")
+    if defaulted:
+        notes.append(f"no machine type for {', '.join(defaulted)}: {DEFAULT_MACHINE_TYPE} "
+                     f"assumed; give --machine-type TYPE to choose (and to test its memory "
+                     f"limit locally)")
+    return replace(job, pools=tuple(pools), notes=tuple(notes))
+
+
+# --- the platform's documents -----------------------------------------------------------
+
+
+def custom_job_spec(job: PlatformJob) -> dict[str, Any]:
+    """The ``CustomJobSpec`` (the API's JSON names; what ``gcloud ai custom-jobs create
+    --config`` takes) of a :func:`complete` job, checked by reading it back."""
+    by_index = {p.index: p for p in job.pools}
+    doc: dict[str, Any] = {"workerPoolSpecs": [
+        _pool_doc(by_index[i]) if i in by_index else {} for i in range(max(by_index) + 1)]}
+    scheduling: dict[str, Any] = {}
+    if job.timeout is not None:
+        scheduling["timeout"] = _duration(job.timeout)
+    scheduling["restartJobOnWorkerRestart"] = job.restart_job_on_worker_restart
+    scheduling["disableRetries"] = job.disable_retries
+    scheduling["strategy"] = job.strategy.name   # STANDARD, SPOT, FLEX_START: the API's names
+    if job.strategy is Strategy.FLEX_START:
+        scheduling["maxWaitDuration"] = _duration(job.max_wait or 0)   # "0s": forever
+    doc["scheduling"] = scheduling
+    if job.output_dir is not None:
+        doc["baseOutputDirectory"] = {"outputUriPrefix": job.output_dir}
+    try:
+        parse_job_spec(doc)
+    except JobSpecError as exc:
+        raise ExportError(f"the exported spec would be refused: {exc}") from None
+    return doc
+
+
+def custom_job(job: PlatformJob) -> dict[str, Any]:
+    """The whole ``CustomJob``: display name, labels (what was left out) and the spec."""
+    return {"displayName": job.name, "labels": labels(job), "jobSpec": custom_job_spec(job)}
+
+
+def labels(job: PlatformJob) -> dict[str, str]:
+    """The job's labels: that it was exported, and which local-only options were left out
+    (their names without dashes, ``_``-joined: a label value is at most 63 lower-case
+    letters, digits, ``_`` and ``-``)."""
+    out = {EXPORTED_LABEL: "export"}
+    if job.left_out:
+        names = "_".join(dict.fromkeys(x.option.lstrip("-") for x in job.left_out))
+        out[LEFT_OUT_LABEL] = names[:_LABEL_VALUE_CHARS].rstrip("_-")
+    return out
+
+
+def _pool_doc(pool: PlatformPool) -> dict[str, Any]:
+    machine: dict[str, Any] = {"machineType": pool.machine_type}
+    if pool.accelerator_count:
+        machine["acceleratorType"] = pool.accelerator_type
+        machine["acceleratorCount"] = pool.accelerator_count
+    env = [{"name": k, "value": v} for k, v in pool.env.items()]
+    doc: dict[str, Any] = {"replicaCount": pool.replicas, "machineSpec": machine}
+    command = pool.command
+    if pool.package_uris and command and command[:2] == ("python", "-m") and len(command) > 2:
+        package: dict[str, Any] = {"executorImageUri": pool.image,
+                                   "packageUris": list(pool.package_uris),
+                                   "pythonModule": command[2]}
+        if command[3:]:
+            package["args"] = list(command[3:])
+        if env:
+            package["env"] = env
+        doc["pythonPackageSpec"] = package
+        return doc
+    container: dict[str, Any] = {"imageUri": pool.image}
+    if command is not None:
+        container["command"] = list(command)
+    if env:
+        container["env"] = env
+    doc["containerSpec"] = container
+    return doc
+
+
+def _duration(seconds: float) -> str:
+    """A google.protobuf.Duration in JSON: ``7200s``, ``1.5s``."""
+    if seconds == int(seconds):
+        return f"{int(seconds)}s"
+    return f"{seconds:.9f}".rstrip("0") + "s"
+
+
+# --- as text ----------------------------------------------------------------------------
+
+
+def render(job: PlatformJob, fmt: str, *, as_json: bool = False) -> str:
+    """The document for ``--format`` ``fmt`` as text: YAML with a comment header saying how
+    to submit it and what was left out, or JSON (``as_json``; not for a JobSet)."""
+    if fmt == "jobset":
+        from .jobset import jobset_manifest  # here: jobset.py imports this module
+
+        return jobset_manifest(job)
+    if fmt not in FORMATS:
+        raise ExportError(f"unknown format {fmt!r}; expected one of {', '.join(FORMATS)}")
+    doc = custom_job_spec(job) if fmt == "spec" else custom_job(job)
+    if as_json:
+        return json.dumps(doc, indent=2) + "\n"
+    import yaml
+
+    what = "A Vertex AI CustomJobSpec" if fmt == "spec" else "A Vertex AI CustomJob"
+    header = [f"{what}: the job {job.name} as tested with resilient-train launch."]
+    if fmt == "spec":
+        label = ",".join(f"{k}={v}" for k, v in labels(job).items())
+        header += ["Submit it:",
+                   (f"  gcloud ai custom-jobs create --region=REGION --display-name={job.name} "
+                    f"--config=FILE --labels={label}")]
+    else:
+        header += [("Submit it as the body of projects.locations.customJobs.create (REST), or "
+                    "through the JobService client's create_custom_job.")]
+    header += ["Run it here again: resilient-train launch --job-spec FILE"]
+    header += left_out_lines(job)
+    return comment(header) + yaml.safe_dump(doc, sort_keys=False, width=100)
+
+
+def left_out_lines(job: PlatformJob) -> list[str]:
+    """The header lines that say what the export left out, and its other notes."""
+    lines = []
+    if job.left_out:
+        lines.append("Left out, local-only options of the tested run:")
+        lines += [f"  {x.text}" for x in job.left_out]
+    if job.notes:
+        lines.append("Notes:")
+        lines += [f"  {n}" for n in job.notes]
+    return lines
+
+
+_NEWLINES = re.compile(r"[\r\n]+")
+
+
+def comment(lines: Sequence[str], indent: str = "") -> str:
+    """``lines`` as YAML comment lines (one line each: a newline in a value would end the
+    comment)."""
+    return "".join(f"{indent}# {_NEWLINES.sub(' ', line)}".rstrip() + "\n" for line in lines)
