@@ -246,8 +246,9 @@ def _left_out(options: LaunchOptions, pools: Sequence[PlatformPool],
         budgets = [n for n, b in options.policy.budgets.items()
                    if platform_policy.budgets.get(n) != b]
         yield LeftOut("--policy", ", ".join(mine + [f"budget {n}" for n in budgets]),
-                      "the platform applies its own restart rules (docs/platform.md, "
-                      "\"Restart rules\"); rules and budgets of yours do not travel")
+                      "the platform applies its own restart rules "
+                      "(docs/platform.md, \"Restart rules\"); "
+                      "rules and budgets of yours do not travel")
     running = dict(options.pools)
     limits = {limit for p in pools if p.pool in running
               for limit in [options.program(p.pool).memory_limit] if limit is not None}
