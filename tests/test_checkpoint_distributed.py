@@ -308,10 +308,10 @@ def test_a_replicated_restore_from_an_object_store_reads_once(
     out = tmp_path / "out"
     got = run("corrupt_gcs", 3, f"{gcs_bucket.url}/run", out,
               extra_env={"RT_GCS_ENDPOINT": gcs_bucket.storage_options["endpoint_url"]})
-    assert [r["step"] for r in got] == [2, 2, 2]
+    assert [r["restored"]["step"] for r in got] == [2, 2, 2]
     for r in got:
-        assert bitwise_equal(r["restored"], got[0]["weights"][2])
-        assert r["values"] == {"position": 2}
+        assert bitwise_equal(r["restored"]["weights"], got[0]["weights"][2])
+        assert r["restored"]["values"] == {"position": 2}
     storage = Storage(f"{gcs_bucket.url}/run", storage_options=gcs_bucket.storage_options)
     files = {i.step: read_manifest(storage, i.name, i.step).files
              for i in scan(storage) if i.committed}
@@ -319,8 +319,8 @@ def test_a_replicated_restore_from_an_object_store_reads_once(
     # (step 4's failed its checksum, and the primary went no further in step 4).
     for rank, r in enumerate(got):
         own = sum(files[s][f"rank-{rank:05d}.pt"].size for s in ((2,) if rank == 0 else (2, 4)))
-        assert r["bytes_read"]["persistent"] == own + (files[2]["shared.pt"].size
-                                                       if rank == 0 else 0), (rank, r)
+        assert r["restored"]["bytes_read"]["persistent"] == own + (
+            files[2]["shared.pt"].size if rank == 0 else 0), (rank, r)
     assert "shared.pt: checksum mismatch" in (out / "corrupt_gcs.rank0.log").read_text()
 
 

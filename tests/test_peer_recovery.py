@@ -280,12 +280,13 @@ def test_three_workers_survive_every_kind_of_fault_in_one_run_and_end_bitwise(
 
 @pytest.mark.slow
 def test_an_fsdp2_job_rebuilds_a_lost_ranks_shard_from_its_neighbours_memory(
-        tmp_path: Path) -> None:
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """FSDP2 on CPU/gloo, 3 workers: rank 1 is lost at step 33. Its shard of the weights
     and AdamW moments exists on no survivor but as the copy rank 2 received at the last
     save (step 30), so every rank goes back to step 30 from memory, nothing read from
     storage; the run ends bitwise equal to one without faults."""
-    script = [str(HERE / "workers" / "fsdp_job.py"), "60", "10", "0.03"]
+    monkeypatch.setenv("PEER_DDP_FSDP", "1")
+    script = [str(HERE / "workers" / "peer_ddp.py"), "60", "10", "0.03"]
     _, _, clean = launch_job(tmp_path, "clean", 3, [], script)
     job, out, faulted = launch_job(tmp_path, "faulted", 3,
                                    ["--chaos", "kill:workerpool1-0@step33"], script)

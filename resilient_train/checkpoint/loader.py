@@ -47,17 +47,15 @@ def load_verified(storage: Storage, name: str, fname: str, manifest: Manifest) -
     rel = f"{name}/{fname}"
     where = storage.url_of(rel)
     path = storage.local_path(rel)
-    if path is not None:
-        _verify_local_file(path, manifest_entry(manifest, fname, where), where)
-        return load_checked(path, where, mapped=True)
-    return load_checked(io.BytesIO(read_verified(storage, name, fname, manifest)), where)
-
-
-def load_checked(source: Any, where: str, *, mapped: bool = False) -> dict[str, Any]:
-    """A checkpoint file already checked against its manifest (a path, or a buffer), loaded
-    weights-only onto the CPU (``mapped``: a local path, memory-mapped)."""
     try:
-        obj = torch.load(source, map_location="cpu", weights_only=True, mmap=mapped)
+        if path is not None:
+            _verify_local_file(path, manifest_entry(manifest, fname, where), where)
+            source: Any = path
+        else:
+            source = io.BytesIO(read_verified(storage, name, fname, manifest))
+        obj = torch.load(source, map_location="cpu", weights_only=True, mmap=path is not None)
+    except CorruptCheckpointError:
+        raise
     except Exception as exc:  # a checksum-valid file that torch cannot read
         # The reason without torch's advice to load with weights_only=False, which is
         # exactly wrong for a file that may have been tampered with.

@@ -311,7 +311,9 @@ class CheckpointManager:
         # Which saves go to the persistent tier too (every save without a node-local one).
         self._cadence = PersistentCadence(self.options.node_local, self.options.max_interval_s) \
             if self.options.node_local is not None else None
-        self._mtbf = resolve_mtbf() if self._cadence is not None else (PRIOR_MTBF_S, "prior")
+        # Read once, and only for an automatic K: it may read the launcher's failure log.
+        self._mtbf = resolve_mtbf() if self._cadence is not None and \
+            self._cadence.fixed is None else (PRIOR_MTBF_S, "prior")
         self._local_received = 0     # bytes of a node-local restore sent by other ranks
         self._local_step: int | None = None   # the last step committed to the node-local tier
         # SIGTERM: the emergency save's deadline, and the gate that refuses a late commit.

@@ -160,85 +160,65 @@ def full_disk(ckpt: str, coord: Coordinator) -> dict[str, Any]:
     return {"error": error, "listing": listing, "committed": committed}
 
 
-def replicated_restore(ckpt: str, coord: Coordinator) -> dict[str, Any]:
+def replicated_restore(ckpt: str, coord: Coordinator,
+                       storage_options: dict[str, Any] | None = None) -> dict[str, Any]:
     model, _wrapped, opt = ddp_model(7)  # different weights: the restore must replace them
     seed_all(999)
-    mgr = CheckpointManager(ckpt, options=CheckpointOptions(policy=never(), max_interval_s=None),
-                            coordinator=coord)
-    mgr.track(model=model, optimizer=opt)
-    step = mgr.restore_latest()
-    out = {"step": step, "weights": params(model), "values": dict(mgr.values),
-           "rng_after": rng_probe(), "opt_steps": [int(s["step"]) for s in opt.state.values()]}
-    mgr.close()
-    return out
-
-
-def corrupt(ckpt: str, coord: Coordinator) -> dict[str, Any]:
-    """Save steps 2 and 4, damage rank 1's file of step 4, restore with fresh objects (one
-    launch instead of two: the restart itself is covered by the replicated scenario)."""
-    model, wrapped, opt = ddp_model(0)
-    seed_all(100 + RANK)
-    mgr = CheckpointManager(
-        ckpt, options=CheckpointOptions(policy=every_n_steps(2), async_save=False),
-        coordinator=coord)
-    mgr.track(model=model, optimizer=opt)
-    weights = {}
-    for step in range(1, 5):
-        train_step(wrapped, opt)
-        mgr.values["position"] = step
-        if mgr.maybe_save(step):
-            weights[step] = params(model)
-    mgr.close()
-    dist.barrier()
-    if RANK == 0:  # the disk's doing: one flipped byte, same size, in rank 1's file only
-        path = os.path.join(ckpt, "step-000000000004", "rank-00001.pt")
-        with open(path, "rb") as f:
-            data = bytearray(f.read())
-        data[len(data) // 2] ^= 0xFF
-        with open(path, "wb") as f:
-            f.write(data)
-    dist.barrier()
-    return {"weights": weights, "restored": replicated_restore(ckpt, coord)}
-
-
-def corrupt_gcs(ckpt: str, coord: Coordinator) -> dict[str, Any]:
-    """On an object store (the emulator) the primary alone reads the replicated file: save
-    steps 2 and 4, flip a byte of step 4's shared.pt, restore with fresh objects: the
-    primary finds it does not verify, and every rank takes step 2."""
-    from resilient_train.checkpoint.storage import Storage
-
-    options = {"endpoint_url": os.environ["RT_GCS_ENDPOINT"], "token": "anon"}
-    model, wrapped, opt = ddp_model(0)
-    seed_all(100 + RANK)
     mgr = CheckpointManager(ckpt, options=CheckpointOptions(
-        policy=every_n_steps(2), async_save=False, storage_options=options),
+        policy=never(), max_interval_s=None, storage_options=storage_options),
         coordinator=coord)
-    mgr.track(model=model, optimizer=opt)
-    weights = {}
-    for step in range(1, 5):
-        train_step(wrapped, opt)
-        mgr.values["position"] = step
-        if mgr.maybe_save(step):
-            weights[step] = params(model)
-    mgr.close()
-    dist.barrier()
-    if RANK == 0:
-        st = Storage(ckpt, storage_options=options)
-        name = next(n for n in st.listdir("") if n.startswith("step-000000000004"))
-        data = bytearray(st.read_bytes(f"{name}/shared.pt"))
-        data[len(data) // 2] ^= 0xFF
-        st.write_bytes(f"{name}/shared.pt", bytes(data))
-    dist.barrier()
-    model, _wrapped, opt = ddp_model(7)
-    mgr = CheckpointManager(ckpt, options=CheckpointOptions(
-        policy=never(), max_interval_s=None, storage_options=options), coordinator=coord)
     mgr.track(model=model, optimizer=opt)
     step = mgr.restore_latest()
     assert mgr.last_restore is not None
-    out = {"weights": weights, "step": step, "restored": params(model),
-           "values": dict(mgr.values), "bytes_read": dict(mgr.last_restore.bytes_read)}
+    out = {"step": step, "weights": params(model), "values": dict(mgr.values),
+           "rng_after": rng_probe(), "opt_steps": [int(s["step"]) for s in opt.state.values()],
+           "bytes_read": dict(mgr.last_restore.bytes_read)}
     mgr.close()
     return out
+
+
+def save_damage_restore(ckpt: str, coord: Coordinator, damaged: str,
+                        storage_options: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Save steps 2 and 4, flip one byte (same size) of step 4's file ``damaged``, restore
+    with fresh objects (one launch instead of two: the restart itself is covered by the
+    replicated scenario)."""
+    from resilient_train.checkpoint.storage import Storage
+
+    model, wrapped, opt = ddp_model(0)
+    seed_all(100 + RANK)
+    mgr = CheckpointManager(ckpt, options=CheckpointOptions(
+        policy=every_n_steps(2), async_save=False, storage_options=storage_options),
+        coordinator=coord)
+    mgr.track(model=model, optimizer=opt)
+    weights = {}
+    for step in range(1, 5):
+        train_step(wrapped, opt)
+        mgr.values["position"] = step
+        if mgr.maybe_save(step):
+            weights[step] = params(model)
+    mgr.close()
+    dist.barrier()
+    if RANK == 0:  # the disk's (or the store's) doing, in that one file only
+        st = Storage(ckpt, storage_options=storage_options)
+        name = next(n for n in st.listdir("") if n.startswith("step-000000000004"))
+        data = bytearray(st.read_bytes(f"{name}/{damaged}"))
+        data[len(data) // 2] ^= 0xFF
+        st.write_bytes(f"{name}/{damaged}", bytes(data))
+    dist.barrier()
+    return {"weights": weights,
+            "restored": replicated_restore(ckpt, coord, storage_options)}
+
+
+def corrupt(ckpt: str, coord: Coordinator) -> dict[str, Any]:
+    """A flipped byte in rank 1's file of step 4, on local disk: every rank takes step 2."""
+    return save_damage_restore(ckpt, coord, "rank-00001.pt")
+
+
+def corrupt_gcs(ckpt: str, coord: Coordinator) -> dict[str, Any]:
+    """On an object store (the emulator) the primary alone reads the replicated file: a
+    flipped byte in step 4's shared.pt is found by it, and every rank takes step 2."""
+    return save_damage_restore(ckpt, coord, "shared.pt", {
+        "endpoint_url": os.environ["RT_GCS_ENDPOINT"], "token": "anon"})
 
 
 # --- the shared time decision -----------------------------------------------------------

@@ -6,7 +6,8 @@ bucket layout, so 3 ranks sum in the same order after a resume (docs/checkpointi
 ``peer_ddp.py STEPS SAVE_EVERY STEP_TIME_S``: the primary writes ``$AIP_MODEL_DIR/model.pt``,
 and every rank ``rank{R}.pt``: its ``values`` and four draws from its RNG at the end.
 ``PEER_DDP_NODE_LOCAL=K`` adds a node-local tier (every K-th save to storage too);
-``PEER_DDP_KILL_IN_TRANSFER`` kills a rank in the middle of a peer transfer.
+``PEER_DDP_KILL_IN_TRANSFER`` kills a rank in the middle of a peer transfer;
+``PEER_DDP_FSDP=1`` shards the model with FSDP2 (``fully_shard``) instead of DDP.
 """
 import os
 import sys
@@ -19,6 +20,7 @@ from torch.utils.data import Dataset
 import resilient_train as rt
 
 STEPS, SAVE_EVERY, STEP_TIME = int(sys.argv[1]), int(sys.argv[2]), float(sys.argv[3])
+FSDP = bool(os.environ.get("PEER_DDP_FSDP"))
 
 
 def kill_in_transfers(spec: str, marks: str) -> None:
@@ -90,12 +92,20 @@ class Data(Dataset):
 def train(ctx: rt.Context) -> None:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Dropout(0.2), nn.Linear(64, 1))
+    if FSDP:
+        from torch.distributed.fsdp import fully_shard
+
+        for layer in model:
+            if isinstance(layer, nn.Linear):
+                fully_shard(layer)
+        fully_shard(model)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=20, gamma=0.7)
     torch.manual_seed(100 + ctx.rank)   # each rank its own dropout stream
     loader = rt.ResumableLoader(Data(), batch_size=8, shuffle=True, seed=0, num_workers=1)
     ctx.track(model=model, optimizer=opt, scheduler=sched, data=loader)
-    ddp = nn.parallel.DistributedDataParallel(model, find_unused_parameters=True)
+    net = model if FSDP else nn.parallel.DistributedDataParallel(
+        model, find_unused_parameters=True)
     batches = loader.forever()
     for step in ctx.steps(STEPS):
         if step == ctx.restored_step:
@@ -103,18 +113,20 @@ def train(ctx: rt.Context) -> None:
                   f"(from {ctx.checkpoints.last_restore.describe()})", flush=True)
         x, y = next(batches)
         ctx.values["seen"] = ctx.values.get("seen", 0) + len(x) * (ctx.rank + 1)
-        loss = nn.functional.mse_loss(ddp(x), y)
+        loss = nn.functional.mse_loss(net(x), y)
         opt.zero_grad()
         loss.backward()
         opt.step()
         sched.step()
         time.sleep(STEP_TIME)
+    weights = {k: v.full_tensor() for k, v in model.state_dict().items()} if FSDP \
+        else model.state_dict()   # full_tensor: collective
     out = os.environ["AIP_MODEL_DIR"]
     os.makedirs(out, exist_ok=True)
     torch.save({"values": dict(ctx.values), "draws": torch.rand(4)},
                os.path.join(out, f"rank{ctx.rank}.pt"))
     if ctx.is_primary:
-        torch.save(model.state_dict(), os.path.join(out, "model.pt"))
+        torch.save(weights, os.path.join(out, "model.pt"))
         print(f"finished {STEPS} steps", flush=True)
 
 
