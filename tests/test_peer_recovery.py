@@ -241,7 +241,7 @@ def test_three_workers_survive_every_kind_of_fault_in_one_run_and_end_bitwise(
                  for g in (1, 2, 3, 4)]
     lost = ("workerpool1-1", "workerpool0-0", "workerpool1-0", "workerpool1-1")
     for recovery, replica in zip(in_memory, lost):
-        assert len(recovery) == 3, events
+        assert len(recovery) == 3, (replica, job["recoveries"], events)
         assert {e["source"] for e in recovery} == {"peer"}, events   # every rank
         assert {e["step"] for e in recovery} == {recovery[0]["step"]}
         assert any(f"{replica}.restart-" in e["life"] and e["from_rank"] is not None

@@ -80,7 +80,18 @@ class Run:
                 return line
 
     def finish(self, timeout: float = 60.0) -> int:
-        rc = self.proc.wait(timeout=timeout)
+        try:
+            rc = self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            # Stuck: its every thread's stack (the script's faulthandler) says where.
+            self.proc.send_signal(signal.SIGUSR1)
+            time.sleep(2.0)
+            self.proc.kill()
+            self.proc.wait()
+            for pump in self.pumps:
+                pump.join(timeout=10.0)
+            pytest.fail(f"the process did not exit within {timeout:.0f} s; stderr:\n"
+                        + "".join(self.stderr)[-6000:])
         for pump in self.pumps:   # end-of-file once the process (and its workers) are gone
             pump.join(timeout=10.0)
         return rc

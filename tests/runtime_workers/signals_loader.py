@@ -10,8 +10,10 @@ line, not on a sleep; ``restored R position P`` at the start.
 
 from __future__ import annotations
 
+import faulthandler
 import logging
 import os
+import signal
 import time
 from collections.abc import Iterator
 
@@ -62,6 +64,8 @@ def train(ctx: rt.Context) -> None:
 
 
 if __name__ == "__main__":
+    # A test that finds this process stuck sends SIGUSR1 for every thread's stack.
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
     if os.environ.get("LOG_LEVEL"):
         logging.basicConfig(level=os.environ["LOG_LEVEL"])
     train()

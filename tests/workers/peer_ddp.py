@@ -132,6 +132,11 @@ def train(ctx: rt.Context) -> None:
 
 # PEER_DDP_NODE_LOCAL=K: a node-local tier, every K-th save to storage too.
 K = int(os.environ.get("PEER_DDP_NODE_LOCAL", "0"))
+# The ranks act on a SIGTERM at their next agreement (sync_interval_s); the tests' faults
+# are about 15 steps (1 s) apart, so at the default of 1 s a preempted rank's emergency
+# save could land after the next fault had already fired. A quarter second keeps it
+# within a few steps of the signal.
 rt.main(train, options=rt.MainOptions(
-    checkpoint=rt.CheckpointOptions(save_every_steps=SAVE_EVERY, node_local=rt.NodeLocal(
-        persistent_every=K) if K else None)))()
+    checkpoint=rt.CheckpointOptions(save_every_steps=SAVE_EVERY, sync_interval_s=0.25,
+                                    node_local=rt.NodeLocal(persistent_every=K) if K
+                                    else None)))()
