@@ -1,4 +1,9 @@
-"""`resilient-train launch --job-spec`: a Vertex AI CustomJob spec as launcher options."""
+"""`resilient-train launch --job-spec`: a Vertex AI CustomJob spec as launcher options.
+
+Every test that reads a spec in this process runs twice: through the platform's own types
+(the cloud extra, google-cloud-aiplatform's aiplatform_v1, which CI installs) and through
+the launcher's own tables, as on a machine without the extra.
+"""
 
 from __future__ import annotations
 
@@ -15,12 +20,33 @@ import pytest
 import yaml
 
 from resilient_train import cli
+from resilient_train.launcher import platform_types
 from resilient_train.launcher.jobspec import JobSpecError, load_job_spec, parse_job_spec
 from resilient_train.launcher.policy import Strategy
 from resilient_train.launcher.resources import memory_limit_for
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLE = ROOT / "examples" / "platform" / "custom_job.yaml"
+SCHEMA_SOURCES = ("aiplatform", "own-tables")
+
+
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    # Both ways for the in-process tests; an end-to-end launch (slow) reads it one way.
+    if "slow" not in metafunc.definition.keywords:
+        metafunc.parametrize("schema_source", SCHEMA_SOURCES, indirect=True)
+
+
+@pytest.fixture(autouse=True)
+def schema_source(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Which schema the reader checks against: the extra's types, or its own tables."""
+    source = getattr(request, "param", "aiplatform")
+    if source == "aiplatform":
+        pytest.importorskip("google.cloud.aiplatform_v1")
+    else:
+        monkeypatch.setattr(platform_types, "available", lambda: False)
+    platform_types.known_fields.cache_clear()
+    request.addfinalizer(platform_types.known_fields.cache_clear)
+    return source
 
 
 def _pool(replicas: Any = 1, **container: Any) -> dict[str, Any]:

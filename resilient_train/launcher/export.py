@@ -7,8 +7,9 @@ the launcher records it in job.json (``job_spec.platform``, secrets masked) and
 :func:`job_from_record` reads it back. :func:`complete` fills in what only the platform
 needs (a container image, a machine type, an accelerator type) or says what is missing,
 and :func:`custom_job_spec` / :func:`custom_job` write the documents, checked by reading
-them back with ``jobspec.parse_job_spec``: what is exported is what ``launch --job-spec``
-runs. ``jobset.py`` writes the same job for Kubernetes.
+them back with ``jobspec.parse_job_spec`` (through the platform's own types, aiplatform_v1,
+when the cloud extra is installed): what is exported is what ``launch --job-spec`` runs
+and what the API accepts. ``jobset.py`` writes the same job for Kubernetes.
 
 Pure: nothing here starts a process, probes the machine or reads the environment.
 """
@@ -430,8 +431,14 @@ def custom_job_spec(job: PlatformJob) -> dict[str, Any]:
 
 
 def custom_job(job: PlatformJob) -> dict[str, Any]:
-    """The whole ``CustomJob``: display name, labels (what was left out) and the spec."""
-    return {"displayName": job.name, "labels": labels(job), "jobSpec": custom_job_spec(job)}
+    """The whole ``CustomJob``: display name, labels (what was left out) and the spec,
+    checked by reading it back (through aiplatform_v1.CustomJob with the cloud extra)."""
+    doc = {"displayName": job.name, "labels": labels(job), "jobSpec": custom_job_spec(job)}
+    try:
+        parse_job_spec(doc)
+    except JobSpecError as exc:
+        raise ExportError(f"the exported job would be refused: {exc}") from None
+    return doc
 
 
 def labels(job: PlatformJob) -> dict[str, str]:

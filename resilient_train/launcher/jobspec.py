@@ -10,8 +10,12 @@ Accepted documents: a bare ``CustomJobSpec`` (``workerPoolSpecs`` at the top, wh
 takes and ``gcloud ai custom-jobs describe`` prints). Field names are the API's camelCase
 JSON names; like gcloud, a name with an underscore is an error. A field the API does not
 have, or a value of the wrong type, is a ``JobSpecError`` naming the field's path and the
-fix, so a spec that runs here is also one the platform accepts (as far as we can tell
-from its documented schema).
+fix, so a spec that runs here is also one the platform accepts.
+
+Which fields the API has: with the cloud extra, the platform's own types say
+(platform_types.py: aiplatform_v1's descriptors for the fields read here, and the whole
+document parsed into ``CustomJob`` / ``CustomJobSpec`` for the rest, at any depth);
+without it, the tables below, our reading of the same API.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Any
 
+from . import platform_types
 from .policy import Strategy
 from .record import SECRET_MASK, is_secret_name
 from .resources import MACHINE_TYPES, memory_limit_for
@@ -44,30 +49,41 @@ _QUOTE_CHARS = 80        # of a value that an error message quotes
 _MESSAGE_CHARS = 2000    # of a whole message, whatever it quotes
 
 # --- the schema (Vertex AI v1 REST names) ----------------------------------------------
-# Per message: the fields the launcher uses, and those it accepts but cannot reproduce on
-# one machine (they are listed in a note, never silently dropped).
-_CUSTOM_JOB_USED = {"jobSpec", "displayName"}
-_CUSTOM_JOB_IGNORED = {  # output-only fields too: `describe` output can be fed back in
-    "name", "labels", "encryptionSpec", "state", "createTime", "startTime", "endTime",
-    "updateTime", "error", "webAccessUris", "satisfiesPzs", "satisfiesPzi",
+# Per message: the fields the launcher uses. Every other field of the message is accepted
+# but cannot be reproduced on one machine (listed in a note, never silently dropped).
+# Which fields a message has comes from the platform's own types when the cloud extra is
+# installed (platform_types.py); without it, from _FIELDS, our reading of the same API.
+_USED = {
+    "CustomJob": {"jobSpec", "displayName"},
+    "CustomJobSpec": {"workerPoolSpecs", "scheduling", "baseOutputDirectory"},
+    "WorkerPoolSpec": {"replicaCount", "machineSpec", "containerSpec", "pythonPackageSpec"},
+    "MachineSpec": {"machineType", "acceleratorType", "acceleratorCount"},
+    "ContainerSpec": {"imageUri", "command", "args", "env"},
+    "PythonPackageSpec": {"executorImageUri", "packageUris", "pythonModule", "args", "env"},
+    "Scheduling": {"timeout", "restartJobOnWorkerRestart", "strategy", "disableRetries",
+                   "maxWaitDuration"},
+    "GcsDestination": {"outputUriPrefix"},
+    "EnvVar": {"name", "value"},
 }
-_SPEC_USED = {"workerPoolSpecs", "scheduling", "baseOutputDirectory"}
-_SPEC_IGNORED = {
-    "serviceAccount", "network", "reservedIpRanges", "tensorboard", "enableWebAccess",
-    "enableDashboardAccess", "experiment", "experimentRun", "models", "persistentResourceId",
-    "protectedArtifactLocationId", "pscInterfaceConfig",
+_FIELDS = {   # without the extra: each message's fields, used or not
+    **_USED,
+    "CustomJob": _USED["CustomJob"] | {  # output-only too: `describe` output can be read
+        "name", "labels", "encryptionSpec", "state", "createTime", "startTime", "endTime",
+        "updateTime", "error", "webAccessUris", "satisfiesPzs", "satisfiesPzi"},
+    "CustomJobSpec": _USED["CustomJobSpec"] | {
+        "serviceAccount", "network", "reservedIpRanges", "tensorboard", "enableWebAccess",
+        "enableDashboardAccess", "experiment", "experimentRun", "models",
+        "persistentResourceId", "protectedArtifactLocationId", "pscInterfaceConfig"},
+    "WorkerPoolSpec": _USED["WorkerPoolSpec"] | {"diskSpec", "nfsMounts", "lustreMounts"},
+    "MachineSpec": _USED["MachineSpec"] | {"tpuTopology", "reservationAffinity",
+                                           "gpuPartitionSize"},
 }
-_POOL_USED = {"replicaCount", "machineSpec", "containerSpec", "pythonPackageSpec"}
-_POOL_IGNORED = {"diskSpec", "nfsMounts", "lustreMounts"}
-_MACHINE_USED = {"machineType", "acceleratorType", "acceleratorCount"}
-_MACHINE_IGNORED = {"tpuTopology", "reservationAffinity", "gpuPartitionSize",
-                    "multihostGpuNodeCount"}
-_CONTAINER_USED = {"imageUri", "command", "args", "env"}
-_PYTHON_PACKAGE_USED = {"executorImageUri", "packageUris", "pythonModule", "args", "env"}
-_SCHEDULING_USED = {"timeout", "restartJobOnWorkerRestart", "strategy", "disableRetries",
-                    "maxWaitDuration"}
-_GCS_DESTINATION_USED = {"outputUriPrefix"}
-_ENV_VAR_USED = {"name", "value"}
+
+
+def fields_of(message: str) -> frozenset[str]:
+    """The JSON names of ``message``'s fields: the platform's types' when installed."""
+    return platform_types.known_fields(message) or frozenset(_FIELDS[message])
+
 
 _STRATEGIES = {
     "STRATEGY_UNSPECIFIED": Strategy.STANDARD,
@@ -319,7 +335,7 @@ def parse_job_spec(data: Any) -> JobSpec:
     p = _Parser()
     display_name: str | None = None
     if "jobSpec" in data:                       # a whole CustomJob
-        job = p.obj(data, "", _CUSTOM_JOB_USED, _CUSTOM_JOB_IGNORED, report_ignored=False)
+        job = p.obj(data, "", "CustomJob", report_ignored=False)
         if "displayName" in job:
             display_name = p.string(job["displayName"], "displayName")
         if job.get("labels"):
@@ -336,12 +352,20 @@ def parse_job_spec(data: Any) -> JobSpec:
                 f"encryptionSpec{f' ({_clip(str(key))})' if key else ''} is not used "
                 f"locally: nothing here is encrypted with that key; the platform encrypts "
                 f"the job's data with it")))
-        spec = p.obj(job["jobSpec"], "jobSpec", _SPEC_USED, _SPEC_IGNORED)
+        spec = p.obj(job["jobSpec"], "jobSpec", "CustomJobSpec")
         prefix = "jobSpec."
     else:
-        spec = p.obj(data, "", _SPEC_USED, _SPEC_IGNORED)
+        spec = p.obj(data, "", "CustomJobSpec")
         prefix = ""
-    return p.spec(spec, prefix, display_name)
+    parsed = p.spec(spec, prefix, display_name)
+    if platform_types.available():
+        # The rest as the API reads it: the fields not walked above (diskSpec, nfsMounts,
+        # encryptionSpec, ...) at any depth, and every value's type and enum.
+        if prefix:
+            platform_types.custom_job_message(data)
+        else:
+            platform_types.spec_message(data)
+    return parsed
 
 
 @dataclass
@@ -420,7 +444,7 @@ class _Parser:
     def pool(self, raw: Any, index: int, path: str) -> _Pool | None:
         if raw is None or (isinstance(raw, Mapping) and not raw):
             return None      # an empty pool: the platform skips it, and so do we
-        pool = self.obj(raw, path, _POOL_USED, _POOL_IGNORED)
+        pool = self.obj(raw, path, "WorkerPoolSpec")
         if "replicaCount" not in pool:
             raise JobSpecError(
                 f"{path}.replicaCount: missing; give the number of replicas "
@@ -439,8 +463,7 @@ class _Parser:
             raise JobSpecError(
                 f"{path}.machineSpec: missing; every pool needs one, e.g. machineSpec: "
                 f"{{machineType: n1-standard-8}}")
-        machine = self.obj(pool["machineSpec"], f"{path}.machineSpec", _MACHINE_USED,
-                           _MACHINE_IGNORED)
+        machine = self.obj(pool["machineSpec"], f"{path}.machineSpec", "MachineSpec")
         mpath = f"{path}.machineSpec"
         if "machineType" not in machine:
             raise JobSpecError(f"{mpath}.machineType: missing; e.g. machineType: n1-standard-8")
@@ -481,7 +504,7 @@ class _Parser:
                      packages)
 
     def container(self, raw: Any, path: str) -> tuple[tuple[str, ...] | None, str, dict[str, str]]:
-        spec = self.obj(raw, path, _CONTAINER_USED, set())
+        spec = self.obj(raw, path, "ContainerSpec")
         if "imageUri" not in spec:
             raise JobSpecError(
                 f"{path}.imageUri: missing; the platform needs the image to run, e.g. "
@@ -499,7 +522,7 @@ class _Parser:
 
     def python_package(self, raw: Any, path: str
                        ) -> tuple[tuple[str, ...], str, dict[str, str], tuple[str, ...]]:
-        spec = self.obj(raw, path, _PYTHON_PACKAGE_USED, set())
+        spec = self.obj(raw, path, "PythonPackageSpec")
         for name, example in (("executorImageUri", "IMAGE (a prebuilt training image)"),
                               ("packageUris", "[gs://BUCKET/trainer-0.1.tar.gz]"),
                               ("pythonModule", "trainer.task")):
@@ -524,7 +547,7 @@ class _Parser:
         env: dict[str, str] = {}
         for i, item in enumerate(raw):
             ipath = f"{path}[{i}]"
-            var = self.obj(item, ipath, _ENV_VAR_USED, set())
+            var = self.obj(item, ipath, "EnvVar")
             if "name" not in var:
                 raise JobSpecError(f"{ipath}.name: missing; each item is {{name: NAME, value: VALUE}}")
             name = self.string(var["name"], f"{ipath}.name")
@@ -542,7 +565,7 @@ class _Parser:
         return env
 
     def scheduling(self, raw: Any, path: str) -> dict[str, Any]:
-        spec = self.obj(raw, path, _SCHEDULING_USED, set())
+        spec = self.obj(raw, path, "Scheduling")
         out: dict[str, Any] = {}
         if "timeout" in spec:
             timeout = self.duration(spec["timeout"], f"{path}.timeout")
@@ -571,7 +594,7 @@ class _Parser:
         return out
 
     def output(self, raw: Any, path: str) -> str:
-        spec = self.obj(raw, path, _GCS_DESTINATION_USED, set())
+        spec = self.obj(raw, path, "GcsDestination")
         if "outputUriPrefix" not in spec:
             raise JobSpecError(f"{path}.outputUriPrefix: missing; e.g. outputUriPrefix: "
                                f"gs://BUCKET/charlm")
@@ -604,11 +627,13 @@ class _Parser:
 
     # --- value types ---
 
-    def obj(self, raw: Any, path: str, used: set[str], ignored: set[str], *,
+    def obj(self, raw: Any, path: str, message: str, *,
             report_ignored: bool = True) -> Mapping[str, Any]:
+        """``raw``, a mapping of ``message``'s fields; the unused ones are noted."""
         if not isinstance(raw, Mapping):
             raise JobSpecError(f"{path or 'the top'}: expected a mapping, found {_kind(raw)}")
-        known = used | ignored
+        known = set(fields_of(message))
+        ignored = known - _USED[message]
         for key in raw:
             shown = _clip(str(key))
             kpath = f"{path}.{shown}" if path else shown
