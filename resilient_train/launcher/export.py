@@ -409,6 +409,26 @@ def complete(job: PlatformJob, *, image: str | None = None,
 def custom_job_spec(job: PlatformJob) -> dict[str, Any]:
     """The ``CustomJobSpec`` (the API's JSON names; what ``gcloud ai custom-jobs create
     --config`` takes) of a :func:`complete` job, checked by reading it back."""
+    return _checked(_spec_doc(job), "spec")
+
+
+def custom_job(job: PlatformJob) -> dict[str, Any]:
+    """The whole ``CustomJob``: display name, labels (what was left out) and the spec,
+    checked by reading it back (through aiplatform_v1.CustomJob with the cloud extra)."""
+    return _checked({"displayName": job.name, "labels": labels(job),
+                     "jobSpec": _spec_doc(job)}, "job")
+
+
+def _checked(doc: dict[str, Any], what: str) -> dict[str, Any]:
+    """``doc`` once ``parse_job_spec`` reads it (the platform's types too, when installed)."""
+    try:
+        parse_job_spec(doc)
+    except JobSpecError as exc:
+        raise ExportError(f"the exported {what} would be refused: {exc}") from None
+    return doc
+
+
+def _spec_doc(job: PlatformJob) -> dict[str, Any]:
     by_index = {p.index: p for p in job.pools}
     doc: dict[str, Any] = {"workerPoolSpecs": [
         _pool_doc(by_index[i]) if i in by_index else {} for i in range(max(by_index) + 1)]}
@@ -423,21 +443,6 @@ def custom_job_spec(job: PlatformJob) -> dict[str, Any]:
     doc["scheduling"] = scheduling
     if job.output_dir is not None:
         doc["baseOutputDirectory"] = {"outputUriPrefix": job.output_dir}
-    try:
-        parse_job_spec(doc)
-    except JobSpecError as exc:
-        raise ExportError(f"the exported spec would be refused: {exc}") from None
-    return doc
-
-
-def custom_job(job: PlatformJob) -> dict[str, Any]:
-    """The whole ``CustomJob``: display name, labels (what was left out) and the spec,
-    checked by reading it back (through aiplatform_v1.CustomJob with the cloud extra)."""
-    doc = {"displayName": job.name, "labels": labels(job), "jobSpec": custom_job_spec(job)}
-    try:
-        parse_job_spec(doc)
-    except JobSpecError as exc:
-        raise ExportError(f"the exported job would be refused: {exc}") from None
     return doc
 
 
