@@ -7,6 +7,7 @@ Each subcommand imports its modules in its handler, so that one never pays for a
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import logging
 import os
@@ -23,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 from .launcher.policy import Strategy
 
 if TYPE_CHECKING:
+    from .launcher.export import PlatformJob
     from .launcher.jobspec import JobSpec
     from .launcher.runner import LaunchOptions
 
@@ -40,6 +42,24 @@ EXPORT_FORMATS = ("spec", "custom-job", "jobset")
 # What still applies to `export --from-job` (the record says the rest).
 _FROM_JOB_OPTIONS = frozenset({"cmd", "verbose", "from_job", "image", "accelerator_type",
                                "format", "output", "name", "output_dir", "machine_type"})
+# `submit`'s own options, which apply with --from-job too.
+_SUBMIT_OPTIONS = frozenset({"project", "region", "endpoint", "wait", "interval"})
+# Where `submit` finds its project and region when --project or --region is not given: the
+# variable Google's libraries read, gcloud's own, then the ones Vertex AI sets in a job.
+PROJECT_ENV = ("GOOGLE_CLOUD_PROJECT", "CLOUDSDK_CORE_PROJECT", "CLOUD_ML_PROJECT_ID")
+REGION_ENV = ("GOOGLE_CLOUD_REGION", "CLOUDSDK_AI_REGION", "CLOUD_ML_REGION")
+EXIT_JOB_FAILED = 1   # a followed job that ended without succeeding
+DEFAULT_INTERVAL_S = 30.0
+
+SUBMIT_EPILOG = """\
+exit status: 0 when the job was created (with --wait: when it SUCCEEDED); 1 with --wait
+when it ended in any other state; 2 when the command line, the job or the service refused
+it; 130 when you stopped following (the job goes on).
+"""
+STATUS_EPILOG = """\
+exit status: 0 when it printed the job (with --follow, a remote job: when it SUCCEEDED);
+1 with --follow when the job ended in any other state; 2 for an error.
+"""
 
 EPILOG = """\
 exit status: 0 when the job SUCCEEDED; otherwise the root cause's exit code (a worker's
@@ -174,6 +194,37 @@ def _parser() -> argparse.ArgumentParser:
                     help="the job as a launch recorded it in JOB_DIR/job.json; only --image, "
                     "--accelerator-type, --machine-type, --output-dir and --name apply with it")
 
+    # Every export option, so that `export` becomes `submit` on the same command line. A
+    # copy of export's parser: argparse shares a parent's actions with the child, and the
+    # options submit redefines below (--region, --format, -o) would be taken from export
+    # and launch too.
+    up = sub.add_parser("submit", parents=[copy.deepcopy(ep)], conflict_handler="resolve",
+                        epilog=SUBMIT_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter,
+                        help="create the tested job on Vertex AI (the document export "
+                        "--format custom-job writes) and print its name (docs/export.md)",
+                        usage="resilient-train submit --region REGION [--project PROJECT] "
+                              "--image URI [launch options] [-- COMMAND [ARGS...]]\n"
+                              "       resilient-train submit --region REGION --from-job "
+                              "JOB_DIR [--image URI] [--wait]")
+    up.add_argument("--format", choices=("custom-job",), default="custom-job",
+                    help="what is submitted: the whole CustomJob (the only choice)")
+    up.add_argument("-o", "--output", type=Path, metavar="FILE",
+                    help="also write the submitted CustomJob there (JSON when FILE ends in "
+                    ".json)")
+    up.add_argument("--project", metavar="PROJECT",
+                    help=f"the Google Cloud project (default: ${', $'.join(PROJECT_ENV)})")
+    up.add_argument("--region", metavar="REGION",
+                    help=f"the region the job runs in, e.g. us-central1 (default: "
+                    f"${', $'.join(REGION_ENV)})")
+    up.add_argument("--endpoint", metavar="HOST:PORT",
+                    help="the JobService to talk to instead of REGION-aiplatform.googleapis.com"
+                    "; on 127.0.0.1 or localhost without TLS or credentials, for testing "
+                    "against a local fake (default: $RESILIENT_TRAIN_VERTEX_ENDPOINT)")
+    up.add_argument("--wait", action="store_true",
+                    help="follow the job until it ends, as status --follow does")
+    up.add_argument("--interval", type=_duration, metavar="SECONDS",
+                    help="with --wait: how often to ask for its state (default 30s)")
+
     cp = sub.add_parser("checkpoints", help="list, verify or prune a checkpoint directory")
     cp.add_argument("action", choices=["list", "verify", "prune"])
     cp.add_argument("directory", help="local path, gs://bucket/prefix, any fsspec URL, or a "
@@ -184,10 +235,22 @@ def _parser() -> argparse.ArgumentParser:
     cp.add_argument("--dry-run", action="store_true", help="prune: only print what would go")
     cp.add_argument("--json", action="store_true", help="machine-readable output")
 
-    sp = sub.add_parser("status", help="print a job's record for a person")
-    sp.add_argument("job_dir", type=Path)
-    sp.add_argument("--json", action="store_true", help="print job.json as is")
+    sp = sub.add_parser("status", help="print a job's record for a person: a local job's "
+                        "directory, or a Vertex AI job's name",
+                        epilog=STATUS_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sp.add_argument("job_dir", metavar="JOB_DIR|JOB_NAME",
+                    help="a job directory, or a Vertex AI job's resource name "
+                    "projects/PROJECT/locations/REGION/customJobs/ID (as submit prints it)")
+    sp.add_argument("--json", action="store_true",
+                    help="print job.json as is (a remote job: the API's JSON)")
     sp.add_argument("--events", action="store_true", help="also print every event")
+    sp.add_argument("--follow", action="store_true",
+                    help="a remote job: print a line per state change until it ends; the "
+                    "exit status is 0 when it SUCCEEDED, 1 otherwise")
+    sp.add_argument("--interval", type=_duration, metavar="SECONDS",
+                    help="with --follow: how often to ask for its state (default 30s)")
+    sp.add_argument("--endpoint", metavar="HOST:PORT",
+                    help="a remote job: the JobService to ask (as for submit)")
 
     rp = sub.add_parser("report", help="write a job's timeline, goodput and faults as one "
                         "self-contained HTML page")
@@ -206,6 +269,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _launch(args, parser)
     if args.cmd == "export":
         return _export(args, parser)
+    if args.cmd == "submit":
+        return _submit(args, parser)
     if args.cmd == "checkpoints":
         from .checkpoint_cli import run_checkpoints  # the directory library only
 
@@ -378,11 +443,24 @@ def _options(args: argparse.Namespace, command: tuple[str, ...],
     return replace(options, platform_job=platform), notes
 
 
-def _export(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+def _export_errors() -> tuple[type[Exception], ...]:
+    """What building an exported job raises for a bad command line, spec or record."""
     from .launcher.chaos import ChaosSpecError
-    from .launcher.export import ExportError, complete, job_from_record, render, with_overrides
-    from .launcher.jobspec import JobSpecError, load_job_spec
+    from .launcher.export import ExportError
+    from .launcher.jobspec import JobSpecError
     from .launcher.policy import PolicyError
+    from .launcher.runner import LaunchError
+
+    return (ExportError, LaunchError, ChaosSpecError, PolicyError, JobSpecError, OSError,
+            ValueError)
+
+
+def _exported_job(args: argparse.Namespace, parser: argparse.ArgumentParser) -> PlatformJob:
+    """The job that `export` writes and `submit` creates: from the launch's options (the
+    command line over a job spec) or from a job's record (--from-job), completed with the
+    image and accelerator type. Raises one of :func:`_export_errors`."""
+    from .launcher.export import complete, job_from_record, with_overrides
+    from .launcher.jobspec import load_job_spec
     from .launcher.record import read_job
     from .launcher.runner import LaunchError
 
@@ -390,45 +468,112 @@ def _export(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     if command and command[0] == "--":
         command = command[1:]
     if args.from_job is None and not command and args.job_spec is None:
-        parser.error("export needs the launch's options and command, e.g. resilient-train "
-                     "export --image URI -- python train.py, or --from-job JOB_DIR")
+        parser.error(f"{args.cmd} needs the launch's options and command, e.g. resilient-train "
+                     f"{args.cmd} --image URI -- python train.py, or --from-job JOB_DIR")
+    if args.from_job is not None:
+        defaults = vars(_parser().parse_args([args.cmd]))
+        allowed = _FROM_JOB_OPTIONS | (_SUBMIT_OPTIONS if args.cmd == "submit" else set())
+        extra = sorted("a command after --" if key == "command" else
+                       "--" + key.replace("_", "-") for key, value in vars(args).items()
+                       if key not in allowed and value != defaults.get(key))
+        if extra:
+            raise LaunchError(
+                f"--from-job {args.cmd}s the job as its record says; drop {', '.join(extra)} "
+                f"(with it only --image, --accelerator-type, --machine-type, --output-dir "
+                f"and --name apply)")
+        job = with_overrides(job_from_record(read_job(args.from_job)), name=args.name,
+                             output_dir=args.output_dir, machine_type=args.machine_type)
+    else:
+        launch_args = args
+        if args.cmd == "submit":
+            # submit's --region is the platform's; a launch's only names a region in its
+            # stockout messages, and the exported job does not carry it.
+            launch_args = argparse.Namespace(**{**vars(args), "region": "local"})
+        spec = load_job_spec(args.job_spec) if args.job_spec is not None else None
+        recorded = _options(launch_args, tuple(command), spec)[0].platform_job
+        assert recorded is not None   # _options records it for every launch
+        job = recorded
+    return complete(job, image=args.image, accelerator_type=args.accelerator_type)
+
+
+def _export(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    from .launcher.export import render
+
     try:
-        if args.from_job is not None:
-            defaults = vars(_parser().parse_args(["export"]))
-            extra = sorted("a command after --" if key == "command" else
-                           "--" + key.replace("_", "-") for key, value in vars(args).items()
-                           if key not in _FROM_JOB_OPTIONS and value != defaults.get(key))
-            if extra:
-                raise LaunchError(
-                    f"--from-job exports the job as its record says; drop {', '.join(extra)} "
-                    f"(with it only --image, --accelerator-type, --machine-type, --output-dir "
-                    f"and --name apply)")
-            job = with_overrides(job_from_record(read_job(args.from_job)), name=args.name,
-                                 output_dir=args.output_dir, machine_type=args.machine_type)
-        else:
-            spec = load_job_spec(args.job_spec) if args.job_spec is not None else None
-            recorded = _options(args, tuple(command), spec)[0].platform_job
-            assert recorded is not None   # _options records it for every launch
-            job = recorded
-        job = complete(job, image=args.image, accelerator_type=args.accelerator_type)
+        job = _exported_job(args, parser)
         as_json = args.output is not None and args.output.suffix.lower() == ".json"
         text = render(job, args.format, as_json=as_json and args.format != "jobset")
         if args.output is not None:
             args.output.write_text(text, encoding="utf-8")
-    except (ExportError, LaunchError, ChaosSpecError, PolicyError, JobSpecError, OSError,
-            ValueError) as exc:
+    except _export_errors() as exc:
         print(f"resilient-train export: error: {exc}", file=sys.stderr)
         return EXIT_USAGE
     if args.output is None:
         sys.stdout.write(text)
     # On stderr: stdout may be the document itself.
-    for item in job.left_out:
-        print(f"export: left out {item.text}", file=sys.stderr)
-    for note in job.notes:
-        print(f"export: {note}", file=sys.stderr)
+    _print_export_notes(job, "export")
     if args.output is not None:
         print(f"export: wrote {args.format} to {args.output}", file=sys.stderr)
     return 0
+
+
+def _print_export_notes(job: PlatformJob, cmd: str) -> None:
+    for item in job.left_out:
+        print(f"{cmd}: left out {item.text}", file=sys.stderr)
+    for note in job.notes:
+        print(f"{cmd}: {note}", file=sys.stderr)
+
+
+def _submit(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    from .launcher import vertex
+    from .launcher.export import custom_job, render
+    from .launcher.platform_types import CloudExtraMissing, require
+
+    def fail(exc: BaseException | str) -> int:
+        print(f"resilient-train submit: error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+
+    project = args.project or _first_env(PROJECT_ENV)
+    region = args.region or _first_env(REGION_ENV)
+    if not project:
+        return fail(f"no project: give --project PROJECT_ID, or set {PROJECT_ENV[0]}")
+    if not region:
+        return fail(f"no region: give --region REGION (e.g. us-central1), or set "
+                    f"{REGION_ENV[0]}")
+    if args.interval is not None and not args.wait:
+        return fail("--interval applies with --wait")
+    target = vertex.Target(project, region, args.endpoint)
+    try:
+        require("resilient-train submit")   # before any work: the job would go nowhere
+        vertex.check_target(target)
+    except (CloudExtraMissing, vertex.VertexError) as exc:
+        return fail(exc)
+    try:
+        job = _exported_job(args, parser)
+        # The document `export --format custom-job` writes for the same options.
+        doc = custom_job(job)
+        if args.output is not None:
+            as_json = args.output.suffix.lower() == ".json"
+            args.output.write_text(render(job, "custom-job", as_json=as_json), encoding="utf-8")
+    except _export_errors() as exc:
+        return fail(exc)
+    _print_export_notes(job, "submit")
+    if args.output is not None:
+        print(f"submit: wrote custom-job to {args.output}", file=sys.stderr)
+    try:
+        created = vertex.submit(target, doc)
+        name = vertex.parse_job_name(created.name)
+    except (CloudExtraMissing, vertex.VertexError) as exc:
+        return fail(exc)
+    print(f"submitted {name}", flush=True)
+    print(f"console   {vertex.console_url(name)}", flush=True)
+    if not args.wait:
+        return 0
+    return _follow_remote(str(name), args, "submit")
+
+
+def _first_env(names: Sequence[str]) -> str | None:
+    return next((os.environ[n] for n in names if os.environ.get(n)), None)
 
 
 def _given(explicit: Any, from_spec: Any, default: Any) -> Any:
@@ -446,6 +591,22 @@ def _job_name(display_name: str | None) -> str:
 
 
 def _status(args: argparse.Namespace) -> int:
+    # A Vertex AI job's resource name (or a malformed one), unless a directory has that path.
+    remote = args.job_dir.startswith("projects/") or "/customJobs/" in args.job_dir
+    if remote and not Path(args.job_dir).exists():
+        return _remote_status(args)
+    remote_only = [o for o, given in (("--follow", args.follow), ("--endpoint", args.endpoint),
+                                      ("--interval", args.interval is not None)) if given]
+    if remote_only:
+        print(f"resilient-train status: error: {', '.join(remote_only)} applies to a Vertex AI "
+              f"job's name (projects/PROJECT/locations/REGION/customJobs/ID), not to a job "
+              f"directory: a local launch prints its own progress", file=sys.stderr)
+        return EXIT_USAGE
+    args.job_dir = Path(args.job_dir)
+    return _local_status(args)
+
+
+def _local_status(args: argparse.Namespace) -> int:
     from .launcher.events import Event
     from .launcher.messages import JobState
     from .launcher.record import describe_recovery, read_job, read_recoveries
@@ -509,6 +670,71 @@ def _status(args: argparse.Namespace) -> int:
         for e in map(Event.from_json, job.get("events", [])):
             print(f"  +{e.elapsed_s:9.3f}s  {e.message}")
     return 0
+
+
+def _remote_status(args: argparse.Namespace) -> int:
+    """`status` of a Vertex AI job: its record as the service has it, or followed."""
+    from .launcher import vertex
+    from .launcher.platform_types import CloudExtraMissing
+
+    if args.events:
+        print("resilient-train status: error: --events reads a job directory's record; a "
+              "Vertex AI job's events are in its logs (the console link)", file=sys.stderr)
+        return EXIT_USAGE
+    if args.interval is not None and not args.follow:
+        print("resilient-train status: error: --interval applies with --follow",
+              file=sys.stderr)
+        return EXIT_USAGE
+    if args.follow:
+        return _follow_remote(args.job_dir, args, "status")
+    try:
+        job = vertex.get(args.job_dir, endpoint=args.endpoint)
+    except (CloudExtraMissing, vertex.VertexError) as exc:
+        print(f"resilient-train status: error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    doc = vertex.to_json(job)
+    if args.json:
+        print(json.dumps(doc, indent=2))
+        return 0
+    name = vertex.parse_job_name(job.name or args.job_dir)
+    print(f"job       {name}")
+    print(f"display   {doc.get('displayName') or '-'}")
+    print(f"state     {vertex.state_of(job)}")
+    print(f"created   {doc.get('createTime') or '-'}")
+    print(f"started   {doc.get('startTime') or '-'}")
+    print(f"ended     {doc.get('endTime') or '-'}")
+    if job.error.code or job.error.message:
+        print(f"error     code {job.error.code}: {job.error.message}")
+    print(f"console   {vertex.console_url(name)}")
+    return 0
+
+
+def _follow_remote(name: str, args: argparse.Namespace, cmd: str) -> int:
+    """Print a line per state change of the Vertex AI job ``name`` until it ends (on
+    stderr with --json, which prints the ended job on stdout); 0 if it SUCCEEDED."""
+    from .launcher import vertex
+    from .launcher.platform_types import CloudExtraMissing
+
+    out = sys.stderr if getattr(args, "json", False) else sys.stdout
+
+    def on_change(job: Any) -> None:
+        print(f"{time.strftime('%H:%M:%S')} {vertex.state_of(job)}", file=out, flush=True)
+        if job.error.code or job.error.message:
+            print(f"error     code {job.error.code}: {job.error.message}", file=out, flush=True)
+
+    interval = DEFAULT_INTERVAL_S if args.interval is None else args.interval
+    try:
+        job = vertex.follow(name, interval, on_change, endpoint=args.endpoint)
+    except (CloudExtraMissing, vertex.VertexError) as exc:
+        print(f"resilient-train {cmd}: error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    except KeyboardInterrupt:
+        print(f"resilient-train {cmd}: stopped following; the job goes on: resilient-train "
+              f"status {name}", file=sys.stderr)
+        return 130
+    if getattr(args, "json", False):
+        print(json.dumps(vertex.to_json(job), indent=2))
+    return 0 if vertex.state_of(job) == vertex.SUCCEEDED else EXIT_JOB_FAILED
 
 
 def _report(args: argparse.Namespace) -> int:
