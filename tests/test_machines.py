@@ -174,6 +174,25 @@ def test_shared_storage_and_the_launchers_own_directory_are_left_alone(tmp_path:
     assert not machines.tmp_root.exists()
 
 
+@pytest.mark.parametrize("job_dir", ["rt-jobs/rt-1", "."])
+def test_the_view_never_links_back_to_the_job_directory(tmp_path: Path, job_dir: str) -> None:
+    """A job directory inside the working directory (rt-jobs/ by default) is left out of
+    the views: a link to it would make a loop, and a walk that follows links (setuptools'
+    package discovery in `pip install -e .`) would never end."""
+    source = tmp_path / "src"
+    source.mkdir()
+    (source / "train.py").write_text("print()")
+    machines = Machines(source / job_dir, "0123456789abcdef", source=source,
+                        tmp_base=str(tmp_path / "tmp"))
+    placement = machines.prepare("workerpool0-0", new_vm=True)
+    assert placement.workdir is not None
+    assert sorted(os.listdir(placement.workdir)) == ["train.py"]
+    # The whole tree, links followed, is finite and small.
+    walked = sum(1 for _ in zip(range(1000), os.walk(source, followlinks=True)))
+    assert walked < 20, walked
+    machines.close()
+
+
 def test_the_table_of_causes() -> None:
     assert [c for c in Cause if new_vm_after(c)] == [Cause.MAINTENANCE, Cause.PREEMPTION,
                                                      Cause.NODE_LOSS]

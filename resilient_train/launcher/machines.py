@@ -73,7 +73,18 @@ class Machines:
         self._reported: set[tuple[str, str]] = set()
         self._linked: set[str] = set()   # names the views link to the launcher's directory
         self._lived: set[str] = set()
+        # The entry of the working directory that holds the job directory (rt-jobs/ by
+        # default) is not linked into the views: a link from inside a tree to its own top
+        # makes a loop that a walk following links never leaves (setuptools' package
+        # discovery hung on `pip install -e .` after one launch), and no platform replica
+        # sees the launcher's records anyway.
+        self._outside_view: str | None = None
         if source is not None:
+            try:
+                inside = self.root.resolve().relative_to(source.resolve()).parts
+            except ValueError:   # the job directory is elsewhere
+                inside = ()
+            self._outside_view = inside[0] if inside else None
             try:
                 count = sum(1 for _ in os.scandir(source))
             except OSError as exc:
@@ -142,6 +153,8 @@ class Machines:
         assert self.source is not None
         workdir.mkdir(parents=True, exist_ok=True)
         for entry in os.scandir(self.source):
+            if entry.name == self._outside_view:
+                continue
             try:
                 os.symlink(entry.path, workdir / entry.name)
             except FileExistsError:
