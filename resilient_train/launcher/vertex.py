@@ -22,6 +22,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from ..text import first_line
 from . import platform_types
 
 if TYPE_CHECKING:   # the cloud extra's types, for annotations only
@@ -150,7 +151,7 @@ def client(target: Target) -> JobServiceClient:
     try:
         credentials, _ = google.auth.default(scopes=_SCOPES)
     except DefaultCredentialsError as exc:
-        raise VertexError(f"no Google Cloud credentials ({_first_line(exc)}): "
+        raise VertexError(f"no Google Cloud credentials ({first_line(exc)}): "
                           f"{_ADC_FIX}") from None
     log.debug("JobService at %s with Application Default Credentials", host)
     return JobServiceClient(credentials=credentials,
@@ -219,7 +220,7 @@ def follow(name: str | JobName, interval_s: float, on_change: Callable[[CustomJo
                 if seen is None or now - unreachable_since > patience_s:
                     raise _explain(exc, target, f"reading {job_name}") from None
                 log.warning("JobService unreachable (%s); trying again in %g s",
-                            _first_line(exc), interval_s)
+                            first_line(exc), interval_s)
                 sleep(interval_s)
                 continue
             except Exception as exc:  # noqa: BLE001 - google.api_core's errors, explained
@@ -254,11 +255,6 @@ def to_json(job: CustomJob) -> dict[str, Any]:
 # --- errors -----------------------------------------------------------------------------
 
 
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip()
-    return text.splitlines()[0] if text else type(exc).__name__
-
-
 def _explain(exc: BaseException, target: Target, doing: str) -> Exception:
     """One line for an error of the client: what failed, and what to do about it."""
     from google.api_core import exceptions as api
@@ -267,7 +263,7 @@ def _explain(exc: BaseException, target: Target, doing: str) -> Exception:
     where = _endpoint(target) or f"{target.region}-aiplatform.googleapis.com"
     if isinstance(exc, api.RetryError) and exc.cause is not None:
         exc = exc.cause
-    message = exc.message if isinstance(exc, api.GoogleAPICallError) else _first_line(exc)
+    message = exc.message if isinstance(exc, api.GoogleAPICallError) else first_line(exc)
     message = " ".join(str(message).split())   # the service's text, on one line
     if isinstance(exc, (DefaultCredentialsError, RefreshError)):
         return VertexError(f"{doing}: the credentials do not work ({message}): {_ADC_FIX}")
