@@ -30,6 +30,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import select
 import signal
 import sys
 import threading
@@ -43,7 +44,6 @@ logger = logging.getLogger(__name__)
 # launcher (its --grace), read by the emergency save (checkpoint/emergency.py).
 GRACE_ENV = "RESILIENT_TRAIN_SIGTERM_GRACE_S"
 
-_received = threading.Event()
 _received_at: float | None = None    # time.monotonic() of the first SIGTERM noted
 _loader_failure: str | None = None   # a DataLoader worker's death, deferred
 
@@ -51,6 +51,60 @@ _loader_failure: str | None = None   # a DataLoader worker's death, deferred
 # frames mean "the main thread is fetching a batch".
 _TORCH_SIGCHLD_MODULE = "torch.utils.data._utils.signal_handling"
 _DATALOADER_FILE = os.path.join("torch", "utils", "data", "dataloader.py")
+
+
+class _Flag:
+    """A flag that a signal handler may set while the thread it interrupts waits on it.
+
+    Not a threading.Event: the handler runs in the main thread between two bytecodes, also
+    inside ``Event.wait`` while that holds the Event's (non-reentrant) lock, and its
+    ``set()`` would then wait for that lock forever. Here the handler takes no lock: it sets
+    a bool and writes a byte to a pipe, and a wait is a select() on the pipe's read end (the
+    byte stays there until `clear`, so every waiter, in any thread, sees it)."""
+
+    def __init__(self) -> None:
+        self._open()
+
+    def _open(self) -> None:
+        self.is_set = False
+        self._r, self._w = os.pipe()
+        os.set_blocking(self._r, False)
+        os.set_blocking(self._w, False)
+
+    def after_fork_in_child(self) -> None:
+        # A forked child (a DataLoader worker) has its own signals: a SIGTERM it handles
+        # must not wake its parent through the inherited pipe, nor the parent's its.
+        for fd in (self._r, self._w):
+            os.close(fd)
+        self._open()
+
+    def set(self) -> None:
+        if self.is_set:
+            return
+        self.is_set = True
+        try:
+            os.write(self._w, b"\0")
+        except OSError:
+            pass   # full (cannot be: one byte until clear) or closed: the bool still says so
+
+    def clear(self) -> None:
+        self.is_set = False
+        try:
+            while os.read(self._r, 64):
+                pass
+        except (BlockingIOError, OSError):
+            pass
+
+    def wait(self, timeout_s: float) -> bool:
+        if not self.is_set:
+            # A signal interrupts select(); Python runs its handler and resumes the select
+            # with the time that is left (PEP 475), and the handler's byte then ends it.
+            select.select([self._r], [], [], max(0.0, timeout_s))
+        return self.is_set
+
+
+_received = _Flag()
+os.register_at_fork(after_in_child=_received.after_fork_in_child)
 
 
 def note() -> None:
@@ -63,7 +117,7 @@ def note() -> None:
 
 
 def received() -> bool:
-    return _received.is_set()
+    return _received.is_set
 
 
 def since() -> float | None:
@@ -80,8 +134,8 @@ def forget() -> None:
 
 def wait(timeout_s: float) -> bool:
     """Wait up to ``timeout_s`` for a SIGTERM; True once one was received. The Python handler
-    runs during the wait (a lock wait is interrupted by signals), so this returns as soon as
-    it has run, with no polling."""
+    runs during the wait (select is interrupted by signals), so this returns as soon as it
+    has run, with no polling."""
     return _received.wait(timeout_s)
 
 

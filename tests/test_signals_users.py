@@ -294,3 +294,33 @@ def test_the_emergency_save_exit_prints_one_line(tmp_path: Path) -> None:
     report = json.loads((tmp_path / "run-report.json").read_text())["resilient_train"]
     assert report["message"] == f"SIGTERM: emergency checkpoint of step {steps[0]} committed"
     assert "File " in report["traceback"]   # where it exited: in the report, not the log
+
+
+RACE = """
+import signal, sys, time
+from resilient_train import sigterm
+signal.signal(signal.SIGALRM, lambda signum, frame: sigterm.note())   # as the SIGTERM handler
+signal.setitimer(signal.ITIMER_REAL, 0.0001, 0.00005)
+end = time.monotonic() + float(sys.argv[1])
+waits = noted = 0
+while time.monotonic() < end:
+    noted += sigterm.wait(0.0005)
+    sigterm.forget()
+    waits += 1
+signal.setitimer(signal.ITIMER_REAL, 0)
+sigterm.forget()
+assert not sigterm.received() and not sigterm.wait(0.01)   # forgotten: the byte is gone too
+print("waits", waits, "noted", noted)
+"""
+
+
+def test_a_sigterm_handled_inside_a_wait_for_it_never_deadlocks() -> None:
+    # The handler runs in the main thread between two bytecodes, also while that thread is
+    # inside sigterm.wait (the loader-death path waits there for the SIGTERM that stopped the
+    # workers). A threading.Event deadlocked there: set() wanted the lock that wait() held.
+    # A timer interrupts tens of thousands of waits; each must end, and see the note.
+    proc = subprocess.run([sys.executable, "-c", RACE, "1.5"], capture_output=True,
+                          text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    waits, noted = (int(x) for x in re.findall(r"\d+", proc.stdout))
+    assert waits > 1000 and noted > waits // 2, proc.stdout
