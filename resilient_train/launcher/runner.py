@@ -217,6 +217,8 @@ class Launcher:
             raise LaunchError(f"{exc}; pass --shared-workdir to run every replica in it "
                               f"as it is") from None
         self._cancel_requests = 0
+        self._cancel_signal = "SIGTERM"    # the signal that asked, for the line saying so
+        self._cancel_announced = False
         self._written_checked = float("-inf")   # when the working directories were looked at
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_w, False)
@@ -371,6 +373,10 @@ class Launcher:
 
     def _handle_cancel(self, now: float) -> None:
         if self._cancel_requests:
+            if not self._cancel_announced:
+                self._cancel_announced = True
+                self.echo(f"[launcher] {self._cancel_signal}: cancelling the job "
+                          f"(again to kill at once)")
             self._execute(self.machine.cancel(now))
             if self._cancel_requests > 1:
                 for w in self.workers.values():
@@ -537,10 +543,11 @@ class Launcher:
             return lambda: None
 
         def on_cancel(signum: int, frame: Any) -> None:
+            # Counts only: the handler runs in the main thread between two bytecodes, maybe
+            # inside echo() holding its lock (a deadlock) or inside a write to stdout (a
+            # reentrant-call error). The loop, woken by the wakeup descriptor, says it.
+            self._cancel_signal = signal.Signals(signum).name
             self._cancel_requests += 1
-            if self._cancel_requests == 1:
-                self.echo(f"[launcher] {signal.Signals(signum).name}: cancelling the job "
-                          f"(again to kill at once)")
 
         old = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGCHLD)}
         signal.signal(signal.SIGINT, on_cancel)
