@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import os
 import select
 import signal
@@ -59,7 +60,7 @@ class _Flag:
     Not a threading.Event: the handler runs in the main thread between two bytecodes, also
     inside ``Event.wait`` while that holds the Event's (non-reentrant) lock, and its
     ``set()`` would then wait for that lock forever. Here the handler takes no lock: it sets
-    a bool and writes a byte to a pipe, and a wait is a select() on the pipe's read end (the
+    a bool and writes a byte to a pipe, and a wait polls the pipe's read end (the
     byte stays there until `clear`, so every waiter, in any thread, sees it)."""
 
     def __init__(self) -> None:
@@ -97,9 +98,12 @@ class _Flag:
 
     def wait(self, timeout_s: float) -> bool:
         if not self.is_set:
-            # A signal interrupts select(); Python runs its handler and resumes the select
-            # with the time that is left (PEP 475), and the handler's byte then ends it.
-            select.select([self._r], [], [], max(0.0, timeout_s))
+            # A signal interrupts poll(); Python runs its handler and resumes the poll with
+            # the time that is left (PEP 475), and the handler's byte then ends it. poll,
+            # not select: a descriptor numbered past 1024 is fine.
+            poller = select.poll()
+            poller.register(self._r, select.POLLIN)
+            poller.poll(max(0, math.ceil(timeout_s * 1000)))
         return self.is_set
 
 
@@ -134,7 +138,7 @@ def forget() -> None:
 
 def wait(timeout_s: float) -> bool:
     """Wait up to ``timeout_s`` for a SIGTERM; True once one was received. The Python handler
-    runs during the wait (select is interrupted by signals), so this returns as soon as it
+    runs during the wait (poll is interrupted by signals), so this returns as soon as it
     has run, with no polling."""
     return _received.wait(timeout_s)
 
