@@ -65,6 +65,18 @@ def test_a_bug_exits_1_with_the_traceback_in_the_report(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
+def test_a_lone_workers_network_error_is_transient_in_its_own_words(tmp_path: Path) -> None:
+    # One process has no peers: a broken connection is not "a peer went away".
+    proc = run(tmp_path, "network", FAIL_AT="3", FAIL_KIND="network",
+               FAIL_ONCE=str(tmp_path / "network-once"))
+    assert proc.returncode == 134, proc.stderr[-2000:]
+    report = json.loads((tmp_path / "network" / "report.json").read_text())["resilient_train"]
+    assert report["classification"] == "transient"
+    assert "ConnectionResetError" in report["message"] and "data service" in report["message"]
+    assert "peer of the process group" not in proc.stderr
+
+
+@pytest.mark.slow
 def test_named_barriers_meet_again_after_an_in_process_recovery(tmp_path: Path) -> None:
     # The survivor has passed 'eval' twice when its peer restarts; the restarted peer counts
     # its barriers from zero, so the survivor must too, or both wait at different names

@@ -237,7 +237,10 @@ class DistributedGroup:
             try:
                 return fn(*args, **kwargs)
             except Exception as exc:
-                if not (self._peer_lost.is_set() or is_peer_failure(exc)):
+                # A lone worker has no peer: its connection errors (storage, a DataLoader
+                # worker's pipe) are judged as they are, not as a peer that went away.
+                if self.world_size == 1 or not (self._peer_lost.is_set()
+                                                or is_peer_failure(exc)):
                     raise
                 reason = first_line(exc)
             # Out of the except block, the exception's traceback and with it fn's frames

@@ -2,7 +2,7 @@
 tests.
 
 Environment: CKPT (checkpoint directory), STEPS, FAIL_AT (raise at this step, once: the
-marker file FAIL_ONCE says it already happened), FAIL_KIND (transient | bug), OUT (where
+marker file FAIL_ONCE says it already happened), FAIL_KIND (transient | bug | network), OUT (where
 the final weights go), BARRIER_EVERY (a named group barrier every N steps), STEP_S (a sleep
 per step).
 """
@@ -43,6 +43,8 @@ def train(ctx: rt.Context) -> None:
             once.touch()
             if os.environ.get("FAIL_KIND") == "bug":
                 raise ValueError("a bug in the training step")
+            if os.environ.get("FAIL_KIND") == "network":
+                raise ConnectionResetError(104, "Connection reset by peer (the data service)")
             raise rt.TransientError("the data loader lost its connection")
     if ctx.is_primary:
         torch.save(model.state_dict(), os.environ["OUT"])
