@@ -15,6 +15,7 @@ import functools
 import logging
 import os
 import sys
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, replace
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -237,6 +238,10 @@ class Context:
 # SIGTERM reaches every member at once; our handler runs at the next bytecode).
 LOADER_SIGTERM_WAIT_S = 2.0
 
+# How long a broken connection out of a batch fetch waits for the SIGCHLD handler to say
+# that a loader worker died (it comes within milliseconds of the worker's death).
+LOADER_DEATH_WAIT_S = 1.0
+
 _LOADER_DEATH = "DataLoader worker (pid"   # torch: "... exited unexpectedly", "... is killed"
 
 
@@ -244,6 +249,33 @@ def _loader_death(exc: BaseException) -> bool:
     """Whether ``exc`` (or one it was raised from) is torch's "a DataLoader worker died"."""
     return any(isinstance(e, RuntimeError) and str(e).startswith(_LOADER_DEATH)
                for e in exception_chain(exc))
+
+
+def _surfaced_loader_death(exc: BaseException) -> RuntimeError | None:
+    """torch's "DataLoader worker (pid N) is killed by signal" when ``exc`` is a broken
+    connection out of a batch fetch because a loader worker died; else None.
+
+    A worker killed while it hands over a batch breaks the connection the batch comes
+    through (multiprocessing's fd passing), and that error can reach the main thread before
+    the SIGCHLD handler that names the death: the same event would then read as a network
+    failure. The handler runs within moments (it is deferred here, sigterm.py), so this
+    waits for it, at most LOADER_DEATH_WAIT_S."""
+    if not (_raised_in_data_loading(exc) and any(
+            isinstance(e, (ConnectionError, EOFError)) for e in exception_chain(exc))):
+        return None
+    deadline = time.monotonic() + LOADER_DEATH_WAIT_S
+    try:
+        while True:
+            failure = sigterm.take_loader_failure()
+            if failure is not None:
+                return RuntimeError(failure)
+            if time.monotonic() >= deadline:
+                return None
+            time.sleep(0.01)   # the handler runs in this thread, between two sleeps
+    except RuntimeError as raised:   # torch's own handler, where none of ours defers it
+        if str(raised).startswith(_LOADER_DEATH):
+            return raised
+        raise
 
 
 def _raised_in_data_loading(exc: BaseException) -> bool:
@@ -268,9 +300,12 @@ def _life(fn: Callable[..., R], group: Any, options: MainOptions, args: tuple[An
         try:
             result = fn(ctx, *args, **kwargs)
         except Exception as exc:
-            if _loader_death(exc):
-                ctx._after_loader_death(exc)   # exits 134 when a SIGTERM stops the run
+            death = exc if _loader_death(exc) else _surfaced_loader_death(exc)
+            if death is not None:
+                ctx._after_loader_death(death)   # exits 134 when a SIGTERM stops the run
             ctx._hand_over()
+            if death is not None and death is not exc:
+                raise death   # its context: the connection error it surfaced as
             raise
         ctx._finish()
     return result

@@ -325,3 +325,50 @@ def test_a_sigterm_handled_inside_a_wait_for_it_never_deadlocks() -> None:
     waits, noted = (int(x) for x in re.findall(r"\d+", proc.stdout))
     # Thousands of waits here; a coarser timer elsewhere still interrupts hundreds.
     assert waits >= noted >= 100, proc.stdout
+
+
+class _Unreachable(torch.utils.data.Dataset):
+    """A dataset whose fetch breaks a connection (as a batch's fd passing does when the
+    loader worker that sends it is killed)."""
+
+    def __len__(self) -> int:
+        return 4
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        raise ConnectionResetError(104, "Connection reset by peer")
+
+
+def _fetch_error() -> BaseException:
+    try:
+        next(iter(torch.utils.data.DataLoader(_Unreachable(), batch_size=2)))
+    except ConnectionResetError as exc:
+        return exc
+    raise AssertionError("the fetch did not fail")
+
+
+def test_a_broken_fetch_is_the_loader_workers_death_once_the_handler_names_it(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # The connection error reached the loop before the SIGCHLD handler that names the
+    # death: it is judged as that death (exit 1, torch's words), not as a lost network.
+    from resilient_train import runtime, sigterm
+    from resilient_train.errors import Classification, classify_exception
+
+    told = iter([None, None, "DataLoader worker (pid 4242) is killed by signal: Killed. "])
+    monkeypatch.setattr(sigterm, "take_loader_failure", lambda: next(told))
+    death = runtime._surfaced_loader_death(_fetch_error())
+    assert isinstance(death, RuntimeError) and runtime._loader_death(death)
+    assert "is killed by signal: Killed" in str(death)
+    assert classify_exception(death) is Classification.PERMANENT
+
+
+def test_a_broken_fetch_with_no_dead_worker_stays_what_it_is(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    from resilient_train import runtime, sigterm
+
+    asked = []
+    monkeypatch.setattr(sigterm, "take_loader_failure", lambda: asked.append(1))
+    assert runtime._surfaced_loader_death(_fetch_error()) is None   # a dataset's own error
+    assert len(asked) > 1                                           # after waiting for one
+    asked.clear()
+    assert runtime._surfaced_loader_death(ConnectionResetError(104, "elsewhere")) is None
+    assert asked == []                                              # not a fetch: no wait
