@@ -93,7 +93,7 @@ class _Flag:
         try:
             while os.read(self._r, 64):
                 pass
-        except (BlockingIOError, OSError):
+        except OSError:   # BlockingIOError: drained
             pass
 
     def wait(self, timeout_s: float) -> bool:
