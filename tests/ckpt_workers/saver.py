@@ -5,11 +5,13 @@ object per line on stdin, answering one JSON line on stdout:
 
     {"cmd": "run", "url": ..., "storage_options": {...} | null, "async_save": bool,
      "numel": int, "train_s": float, "keep_last": int, "report": path, "error_file": path,
-     "kill_after_s": float, "node_local": path | null}
+     "kill_after_s": float, "node_local": path | null, "kill_in": writer phase | null}
         fork a child that restores the latest checkpoint (like a restarted job) and then
         loops: advance the model one step (crash_model), simulated compute (train_s),
         save the step. Once the child is in its loop, wait kill_after_s (the randomised
-        kill instant the test drew), SIGKILL it, reap it, and answer
+        kill instant the test drew), and, with ``kill_in``, then until the writer is in
+        that phase (an aimed kill: a phase a few milliseconds long that random instants
+        can miss), SIGKILL it, reap it, and answer
         {"event": "killed", "signal": 9, "main": ..., "writer": ..., ...}
         naming what the child was doing when it died.
     {"cmd": "quit"}
@@ -56,6 +58,7 @@ WRITER_PHASES = ["idle", "begin", "data", "manifest", "marker", "commit", "reten
 # saves started (16..24), last step reported committed (24..32, -1: none).
 _LAYOUT = struct.Struct("<BB6xqqq")
 READY_LIMIT_S = 120.0
+AIM_LIMIT_S = 30.0   # an aimed kill that finds no such phase in this long kills anyway
 
 
 class Shared:
@@ -211,6 +214,11 @@ def run(cmd: dict[str, Any], shared: Shared) -> dict[str, Any]:
         time.sleep(0.0005)
     if early is None:
         time.sleep(float(cmd["kill_after_s"]))  # the randomised kill instant
+        if cmd.get("kill_in"):
+            aim_deadline = time.monotonic() + AIM_LIMIT_S
+            while (shared.read()["writer"] != cmd["kill_in"]
+                   and time.monotonic() < aim_deadline):
+                time.sleep(0.0002)
         os.kill(pid, signal.SIGKILL)
         _, status = os.waitpid(pid, 0)
     else:
