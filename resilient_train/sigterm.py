@@ -239,11 +239,16 @@ def noted(enabled: bool = True) -> Iterator[None]:
             signal.signal(signal.SIGTERM, signal.SIG_DFL if previous is None else previous)
 
 
+# How long a wait that cannot end by itself (a collective whose peer may be frozen) may go
+# on after a SIGTERM before the process stops waiting and leaves.
+STALL_S = 5.0
+
+
 class StallGuard:
     """Reacts to a SIGTERM that the main thread does not handle within ``stall_s``."""
 
     def __init__(self, unblock: Callable[[], None], on_stuck: Callable[[str], None], *,
-                 stall_s: float = 5.0) -> None:
+                 stall_s: float = STALL_S) -> None:
         self.stall_s = stall_s
         self._unblock = unblock
         self._on_stuck = on_stuck

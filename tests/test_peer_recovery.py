@@ -8,25 +8,30 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
 import torch
 from jobs import assert_same_end, launch_job
 
+from resilient_train import sigterm
 from resilient_train.checkpoint.directory import (
     SHARED_FILE,
     find_committed,
     rank_file,
     read_manifest,
 )
-from resilient_train.checkpoint.recovery_plan import NoPlan, Plan, Report, plan
+from resilient_train.checkpoint.peers import EarlyTransfer
+from resilient_train.checkpoint.recovery_plan import NoPlan, Plan, Recovered, Report, plan
 from resilient_train.checkpoint.recovery_plan import dumps_rank_state as _dumps
 from resilient_train.checkpoint.recovery_plan import loads_rank_state as _loads
 from resilient_train.checkpoint.state import capture_rng
 from resilient_train.checkpoint.storage import Storage
+from resilient_train.distributed.errors import StopRequestedError
 from resilient_train.ports import free_port
 
 HERE = Path(__file__).resolve().parent
@@ -121,6 +126,48 @@ def test_shard_copies_count_only_after_a_hand_over_of_the_same_directory() -> No
     assert sorted(m.shards) == [5]
 
 
+# --- the early transfer ----------------------------------------------------------------
+
+
+def _recovered(step: int) -> Recovered:
+    return Recovered(step=step, shared={}, mine={}, mine_bytes=b"", from_rank=0, nbytes=1,
+                     save_point=(None, 0.0), last_commit=None)
+
+
+def test_an_early_transfer_hands_its_result_or_its_failure_to_the_restore() -> None:
+    the_plan = Plan(step=7, holder=0, needs_state=(1,), rank_source={0: 0, 1: 0},
+                    save_point=(None, 0.0), last_commit=None)
+    assert EarlyTransfer(the_plan, lambda: _recovered(7)).result().step == 7
+
+    def lost() -> Recovered:
+        raise ConnectionResetError("a peer went away mid-transfer")
+
+    with pytest.raises(ConnectionResetError, match="mid-transfer"):
+        EarlyTransfer(the_plan, lost).result()
+
+
+def test_a_sigterm_while_an_early_transfer_hangs_leaves_after_the_stall_time(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A peer frozen mid-transfer: nothing ends the wait by itself, and StallGuard does not
+    see a main thread that waits on another thread. After a SIGTERM the restore gives the
+    transfer STALL_S, then leaves (exit 134); a transfer that ends in time is taken."""
+    monkeypatch.setattr(sigterm, "STALL_S", 0.3)
+    the_plan = Plan(step=7, holder=0, needs_state=(1,), rank_source={0: 0, 1: 0},
+                    save_point=(None, 0.0), last_commit=None)
+    frozen, slow = threading.Event(), threading.Event()
+    try:
+        sigterm.note()
+        with pytest.raises(StopRequestedError, match="state of step 7 from peers"):
+            EarlyTransfer(the_plan, lambda: (frozen.wait(), _recovered(7))[1]).result()
+        # Ends 0.1 s after the SIGTERM, inside the 0.3 s: the restore goes on.
+        threading.Timer(0.1, slow.set).start()
+        assert EarlyTransfer(the_plan, lambda: (slow.wait(), _recovered(7))[1]
+                             ).result().step == 7
+    finally:
+        frozen.set()
+        sigterm.forget()
+
+
 # --- moving state between processes -----------------------------------------------------
 
 
@@ -153,6 +200,40 @@ def test_a_state_tree_moves_point_to_point_and_by_broadcast_between_real_process
             assert tree_["plain"] == want["plain"]
         assert got["bcast_bytes"] == nbytes
     assert torch.load(tmp_path / "rank0.pt")["sent_bytes"] == nbytes
+
+
+def test_a_restarted_ranks_state_arrives_before_it_has_built_its_model(
+        tmp_path: Path) -> None:
+    """start_peer_restore: the ranks agree on the plan as the life begins and the state
+    moves in a thread; rank 1 (a new process as far as peer recovery knows) waits for the
+    transfer to end, only then builds a model with other initial weights, and restores
+    exactly rank 0's step-4 state, its own RNG and values from rank 0's copy."""
+    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()),
+               RESULT_DIR=str(tmp_path), CKPT_DIR=str(tmp_path / "ckpt"),
+               GLOO_SOCKET_IFNAME="lo")
+    worker = HERE / "dist_workers" / "early_restore_worker.py"
+    procs = [subprocess.Popen([sys.executable, str(worker)], env=env | {"RANK": str(r)},
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+             for r in range(2)]
+    outs = [p.communicate(timeout=120)[0].decode(errors="replace") for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], outs
+    got = [torch.load(tmp_path / f"rank{r}.pt", weights_only=True) for r in range(2)]
+    assert got[1]["arrived_first"] is True
+    for r in range(2):
+        assert got[r]["step"] == 4, got[r]["record"]
+        record = got[r]["record"]
+        assert record["source"] == "peer" and record["bytes_read"]["persistent"] == 0
+        for name, t in got[0]["weights_life1"].items():
+            assert torch.equal(got[r]["weights"][name], t), (r, name)
+        assert got[r]["values"] == {"seen": 4 * (r + 1)}
+        assert torch.equal(got[r]["draw"], got[r]["draw_life1"]), r
+        assert got[r]["opt_steps"] == [4.0] * 4
+    assert got[1]["record"]["from_rank"] == 0 and got[1]["record"]["bytes_read"]["peer"] > 0
+    assert got[0]["record"]["from_rank"] is None
+    # The restore loaded what the early transfer moved (and said so), moving nothing again.
+    assert re.search(r"restored step 4 from rank 0 \(\S+ \S+ of state received in "
+                     r"[\d.]+ s while the model was built\)", outs[1]), outs[1]
+    assert not (tmp_path / "ckpt").exists() or not any((tmp_path / "ckpt").iterdir())
 
 
 # --- a job under the launcher -----------------------------------------------------------

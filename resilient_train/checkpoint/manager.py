@@ -58,7 +58,7 @@ from .emergency import CommitGate, Grace, Outcome, SaveAbandoned, remaining
 from .loader import load_verified
 from .manifest import MARKER, CheckpointError, CorruptCheckpointError, FileEntry, Manifest
 from .nodelocal import LocalTier, NodeLocal, PersistentCadence
-from .peers import PeerMemory, PeerRing, process_memory, tensor_versions
+from .peers import EarlyTransfer, PeerMemory, PeerRing, process_memory, tensor_versions
 from .policy import (
     FOUR_HOURS,
     PRIOR_MTBF_S,
@@ -68,7 +68,7 @@ from .policy import (
     resolve_mtbf,
     with_ceiling,
 )
-from .recovery_plan import Plan, carry_out, loads_rank_state, plan
+from .recovery_plan import Plan, Recovered, carry_out, loads_rank_state, plan
 from .retention import RetentionPolicy
 from .ringlink import RingLink, local_address, new_token
 from .scheduler import Decision, SaveScheduler, SigtermWatch
@@ -298,6 +298,7 @@ class CheckpointManager:
             self._ring = PeerRing(self.rank, self.world_size, group, link,
                                   peer_memory or process_memory(),
                                   tensor_versions(self._tracked))
+        self._early: EarlyTransfer | None = None   # start_peer_restore's transfers
         self.last_restore: RestoreRecord | None = None
         # The step pre-hooks on tracked optimizers, removed at close: a hook would keep
         # this manager (and its process groups) alive as long as the optimizer.
@@ -793,6 +794,19 @@ class CheckpointManager:
 
     # --- restoring --------------------------------------------------------------------
 
+    def start_peer_restore(self) -> None:
+        """Begin this life's restore from live peers before the training code builds what
+        it restores into: every rank agrees on the plan now (a collective: every rank
+        calls this at the same point, as rt.main does before the training function) and
+        the state moves in a thread meanwhile (peers.EarlyTransfer); ``restore_latest``
+        takes it. Nothing starts without peer recovery or a plan from memory."""
+        if not self._peers or self._early is not None:
+            return
+        assert self._ring is not None
+        the_plan = plan(self.coord.allgather(self._ring.report()))
+        if isinstance(the_plan, Plan):
+            self._early = self._ring.transfer_early(the_plan)
+
     def restore_latest(self, *, strict: bool = True) -> int | None:
         """Load the newest state into the tracked objects, the RNGs and ``values``; return
         its step, or None when there is none at all. After an in-process recovery that is
@@ -806,6 +820,12 @@ class CheckpointManager:
         reason = ""
         if self._peers:
             sharded = uses_sharded_layout(self._tracked)
+            early, self._early = self._early, None
+            if early is not None:
+                got = early.result()   # joins: the main group is the restore's again
+                if not sharded:   # (a sharded state is never held as replicated: no plan)
+                    return self._restore_from_peers(early.plan, strict, t0, sharded,
+                                                    early=(got, early.seconds))
             mine = shard_copies.report(self._ring.memory, self.rank, self.storage.url) \
                 if sharded else self._ring.report()
             the_plan = plan(self.coord.allgather(mine))
@@ -837,8 +857,9 @@ class CheckpointManager:
             self._ring.restored(step, self._rank_state())
         return step
 
-    def _restore_from_peers(self, the_plan: Plan, strict: bool, t0: float,
-                            sharded: bool) -> int:
+    def _restore_from_peers(self, the_plan: Plan, strict: bool, t0: float, sharded: bool,
+                            early: tuple[Recovered, float] | None = None) -> int:
+        """``early``: what start_peer_restore's transfers gave, and the seconds they took."""
         assert self._ring is not None
         if sharded:   # a save's shards, from each rank's memory or its neighbour's
             got = carry_out(the_plan, shard_copies.ShardHoldings(self._ring.memory),
@@ -848,6 +869,9 @@ class CheckpointManager:
             giver = the_plan.rank_source[self.rank]   # where its shard, the bulk, came from
             if giver != self.rank:
                 got = replace(got, from_rank=giver)
+        elif early is not None:
+            got = self._ring.adopt(the_plan, early[0])
+            self._load_trees(got.shared, got.mine, strict)
         else:
             got = self._ring.restore(the_plan)
             self._load_trees(got.shared, got.mine, strict)
@@ -857,9 +881,10 @@ class CheckpointManager:
         self.last_restore = RestoreRecord(
             step=got.step, source="peer", seconds=time.perf_counter() - t0,
             bytes_read=_bytes_read(peer=got.nbytes), from_rank=got.from_rank)
-        log.info("restored step %d from %s (%s of state received), no storage read",
+        log.info("restored step %d from %s (%s of state received%s), no storage read",
                  got.step, "memory" if got.from_rank is None else f"rank {got.from_rank}",
-                 format_bytes(got.nbytes))
+                 format_bytes(got.nbytes),
+                 f" in {early[1]:.2f} s while the model was built" if early else "")
         return got.step
 
     def _restore_from_local(self, strict: bool) -> tuple[int | None, str, int | None]:

@@ -1,0 +1,88 @@
+"""Two ranks, two lives, one process each: rank 1's second life is a restarted process
+(an empty PeerMemory), and its state comes from rank 0's memory *before* rank 1 has built
+the model it restores into (CheckpointManager.start_peer_restore, peers.EarlyTransfer).
+
+Life 1: both ranks train 4 steps (the ring keeps each rank's RNG and values at every
+boundary) and hand over. Life 2: both call start_peer_restore; rank 1 waits until the
+transfer is over and only then builds its model (with other initial weights) and
+optimizer, tracks them and restores. Each rank writes ``$RESULT_DIR/rankR.pt``: its
+weights, the optimizer's state, the restore record, and a draw from its RNG."""
+import logging
+import os
+from dataclasses import asdict
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from resilient_train.checkpoint.manager import CheckpointManager, CheckpointOptions
+from resilient_train.checkpoint.peers import PeerMemory
+
+STEPS = 4
+
+
+def build(seed: int) -> tuple[nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(seed)
+    model = nn.Sequential(nn.Linear(8, 300), nn.ReLU(), nn.Linear(300, 1))
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
+
+
+def manager(memory: PeerMemory | None = None) -> CheckpointManager:
+    return CheckpointManager(os.environ["CKPT_DIR"], peer_memory=memory, options=CheckpointOptions(
+        async_save=False, save_every_steps=1000, peer_recovery=True))
+
+
+def main() -> None:
+    rank = int(os.environ["RANK"])
+    logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    # Life 1.
+    model, opt = build(0)
+    mgr = manager()
+    mgr.track(model=model, optimizer=opt)
+    assert mgr.restore_latest() is None
+    torch.manual_seed(50 + rank)   # each rank its own stream from here
+    for step in range(STEPS):
+        x = torch.randn(16, 8)
+        mgr.values["seen"] = (step + 1) * (rank + 1)
+        loss = model(x).pow(2).mean()
+        opt.zero_grad()
+        loss.backward()
+        for p in model.parameters():   # what DDP's all-reduce would do
+            dist.all_reduce(p.grad)
+            p.grad /= 2
+        opt.step()
+        mgr.maybe_save(step + 1)
+    # The life ends (a peer lost, in a real job, which takes longer than this): by then
+    # each rank's last ring message has reached its neighbour.
+    dist.barrier()
+    mgr.hand_over(STEPS)
+    mgr.close()
+    weights = {k: v.clone() for k, v in model.state_dict().items()}
+    draw_after = torch.rand(3)     # what the RNG gives next at the boundary: a restore
+    # rewinds each rank's RNG to it.
+    # Life 2: rank 1 is a new process as far as peer recovery knows.
+    memory = PeerMemory() if rank == 1 else None
+    mgr = manager(memory)
+    mgr.start_peer_restore()
+    early = mgr._early
+    arrived_first = None
+    if rank == 1:
+        assert early is not None, "no transfer started"
+        early._thread.join(timeout=60)
+        arrived_first = early.done()   # before anything below was built
+    model2, opt2 = build(1 + rank)     # other initial weights: the restore must replace them
+    mgr.track(model=model2, optimizer=opt2)
+    step = mgr.restore_latest()
+    record = asdict(mgr.last_restore)
+    out = {"step": step, "record": record, "arrived_first": arrived_first,
+           "weights_life1": weights, "weights": model2.state_dict(),
+           "values": dict(mgr.values), "draw": torch.rand(3), "draw_life1": draw_after,
+           "opt_steps": [float(s["step"]) for s in opt2.state_dict()["state"].values()]}
+    mgr.close()
+    torch.save(out, os.path.join(os.environ["RESULT_DIR"], f"rank{rank}.pt"))
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
