@@ -515,12 +515,15 @@ t_join = time.time()
 sys.path.insert(0, sys.argv[3])
 import recovery_worker
 t = time.perf_counter()
+import torch._dynamo   # what torch.optim imports on an optimizer's first construction
+lazy = time.perf_counter() - t
+t = time.perf_counter()
 torch.manual_seed(0)
 model = recovery_worker.model_for(float(sys.argv[4]))
 torch.optim.AdamW(model.parameters(), foreach=False)
-build = time.perf_counter() - t
+build = time.perf_counter() - t + lazy
 with open(sys.argv[1], "w") as f:
-    f.write(f"{t_import - t0} {t_join - t0} {build}")
+    f.write(f"{t_import - t0} {t_join - t0} {build} {lazy}")
 dist.destroy_process_group()
 """
 
@@ -549,9 +552,10 @@ def startup_baseline(work: Path, params_m: float, repeats: int) -> dict[str, Any
         codes = [p.wait(timeout=300) for p in (joiner, *survivors)]
         if any(codes):
             raise RuntimeError(f"baseline processes exited {codes}")
-        imp, join, build = (float(x) for x in out.read_text().split())
+        imp, join, build, lazy = (float(x) for x in out.read_text().split())
         samples.append({"import_s": round(imp, 3), "join_s": round(join, 3),
-                        "worker_build_s": round(build, 3)})
+                        "worker_build_s": round(build, 3),
+                        "torch_lazy_import_s": round(lazy, 3)})
     med = {k: round(statistics.median(s[k] for s in samples), 3) for k in samples[0]}
     return {"samples": samples, **med}
 
@@ -733,7 +737,8 @@ def print_table(arms: dict[str, Any], baseline: dict[str, Any] | None) -> None:
               f"-> start-up + one step {_num(baseline.get('startup_plus_step_s'))} s "
               f"('x base'). 'x build': over that + the worker's own model and AdamW "
               f"build in that recovery (its first AdamW imports torch._dynamo; "
-              f"{baseline['worker_build_s']:.2f} s in the baseline's process).")
+              f"{baseline['worker_build_s']:.2f} s in the baseline's process, of which "
+              f"{baseline['torch_lazy_import_s']:.2f} s is that import).")
     print("ready s: the kill -> the last rank began its restore; restored s: -> the last "
           "rank's restore done; recovery s: -> every rank finished a step.")
     print(f"\nThe critical path (the last rank to begin its restore), s after the kill:\n"
@@ -801,7 +806,8 @@ def markdown_section(d: dict[str, Any], md_table: Any, fnum: Any) -> tuple[str, 
                     f"(import alone {fnum(base.get('import_s'), 2)} s), + one step of arm (a) "
                     f"{fnum(base.get('step_s'), 2)} s = {fnum(base.get('startup_plus_step_s'), 2)}"
                     f" s. The worker's own model + AdamW (whose first construction imports "
-                    f"torch._dynamo) add {fnum(base.get('worker_build_s'), 2)} s.")]
+                    f"torch._dynamo) add {fnum(base.get('worker_build_s'), 2)} s, of which "
+                    f"{fnum(base.get('torch_lazy_import_s'), 2)} s is that import.")]
     ro = d.get("read_once") or {}
     if ro.get("error"):
         md += ["", f"**Read once vs every rank reads failed**: {ro['error']}"]
@@ -970,11 +976,18 @@ def main() -> int:
         ratio, lost = row.get("x_base"), row.get("steps_lost")
         read = row.get("bytes_read") or {}
         storage = int(read.get("persistent", 0)) + int(read.get("node-local", 0))
+        # The issue's baseline leaves out the worker's own build, whose first optimizer
+        # imports torch._dynamo (torch's start-up, deferred): the same ratio with it in.
+        with_build = row.get("x_build")
         targets[f"(a) rank {row['rank']} killed"] = {
             "recovery_to_startup_plus_step": ratio, "steps_lost": lost,
             "storage_bytes_read": storage,
             "pass": bool(ratio is not None and ratio <= TARGET_RATIO and lost is not None
-                         and lost <= 1 and storage == 0)}
+                         and lost <= 1 and storage == 0),
+            "recovery_to_startup_build_plus_step": with_build,
+            "pass_counting_the_build": bool(
+                with_build is not None and with_build <= TARGET_RATIO and lost is not None
+                and lost <= 1 and storage == 0)}
     if ro is not None and "error" not in ro:
         print(f"\nrestore by {WORKERS} ranks from the emulator, one checkpoint "
               f"({ro['one_rank']['bytes'] / 2**20:.0f} MiB read by one rank), median of "
