@@ -68,7 +68,7 @@ from .policy import (
     resolve_mtbf,
     with_ceiling,
 )
-from .recovery_plan import Plan, Recovered, carry_out, loads_rank_state, plan
+from .recovery_plan import Plan, carry_out, loads_rank_state, plan
 from .retention import RetentionPolicy
 from .ringlink import RingLink, local_address, new_token
 from .scheduler import Decision, SaveScheduler, SigtermWatch
@@ -822,10 +822,10 @@ class CheckpointManager:
             sharded = uses_sharded_layout(self._tracked)
             early, self._early = self._early, None
             if early is not None:
-                got = early.result()   # joins: the main group is the restore's again
+                early.result()   # joins: the main group is the restore's again
                 if not sharded:   # (a sharded state is never held as replicated: no plan)
                     return self._restore_from_peers(early.plan, strict, t0, sharded,
-                                                    early=(got, early.seconds))
+                                                    early=early)
             mine = shard_copies.report(self._ring.memory, self.rank, self.storage.url) \
                 if sharded else self._ring.report()
             the_plan = plan(self.coord.allgather(mine))
@@ -858,8 +858,8 @@ class CheckpointManager:
         return step
 
     def _restore_from_peers(self, the_plan: Plan, strict: bool, t0: float, sharded: bool,
-                            early: tuple[Recovered, float] | None = None) -> int:
-        """``early``: what start_peer_restore's transfers gave, and the seconds they took."""
+                            early: EarlyTransfer | None = None) -> int:
+        """``early``: start_peer_restore's transfers, over: the restore moves nothing."""
         assert self._ring is not None
         if sharded:   # a save's shards, from each rank's memory or its neighbour's
             got = carry_out(the_plan, shard_copies.ShardHoldings(self._ring.memory),
@@ -869,11 +869,9 @@ class CheckpointManager:
             giver = the_plan.rank_source[self.rank]   # where its shard, the bulk, came from
             if giver != self.rank:
                 got = replace(got, from_rank=giver)
-        elif early is not None:
-            got = self._ring.adopt(the_plan, early[0])
-            self._load_trees(got.shared, got.mine, strict)
         else:
-            got = self._ring.restore(the_plan)
+            got = self._ring.adopt(the_plan, early.result() if early is not None
+                                   else self._ring.transfer(the_plan))
             self._load_trees(got.shared, got.mine, strict)
         self.last_commit_step = got.last_commit
         self.scheduler.restored(*got.save_point)
@@ -884,7 +882,7 @@ class CheckpointManager:
         log.info("restored step %d from %s (%s of state received%s), no storage read",
                  got.step, "memory" if got.from_rank is None else f"rank {got.from_rank}",
                  format_bytes(got.nbytes),
-                 f" in {early[1]:.2f} s while the model was built" if early else "")
+                 f" in {early.seconds:.2f} s while the model was built" if early else "")
         return got.step
 
     def _restore_from_local(self, strict: bool) -> tuple[int | None, str, int | None]:

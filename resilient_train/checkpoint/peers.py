@@ -295,12 +295,9 @@ class PeerRing:
                       last_commit=m.last_commit_step, save_point=m.save_point,
                       why_not=m.why_not)
 
-    def restore(self, the_plan: Plan) -> Recovered:
-        """Carry out ``the_plan`` from this process's memory (every rank calls it)."""
-        return self.adopt(the_plan, self.transfer(the_plan))
-
     def transfer(self, the_plan: Plan) -> Recovered:
-        """The moves of ``the_plan`` (every rank calls it); the memory is left as it was."""
+        """The moves of ``the_plan`` from this process's memory (every rank calls it); the
+        memory is left as it was until :meth:`adopt`."""
         return carry_out(the_plan, MemoryHoldings(self.memory), self.rank, self.group)
 
     def transfer_early(self, the_plan: Plan) -> EarlyTransfer:
