@@ -8,6 +8,7 @@ import itertools
 import json
 import os
 import signal
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -98,13 +99,18 @@ def oracle_buckets(lines: list[tuple[int, float, float, int]], start: float, end
                    ) -> dict[str, float]:
     """The truth from the script's own per-step log: each step's last computation is
     productive, earlier ones are lost; the gap after a save step (10, 20, ...) followed by
-    the next step in the same process is checkpoint time; everything else between steps is
-    recovery."""
+    the next step in the same process, less the loop's own cost between two steps (the
+    median gap after the other steps of that process, which the launcher rightly counts
+    as training), is checkpoint time; everything else between steps is recovery."""
     last = {line[0]: i for i, line in enumerate(lines)}
     productive = sum(t1 - t0 for i, (s, t0, t1, _) in enumerate(lines) if last[s] == i)
     lost = sum(t1 - t0 for i, (s, t0, t1, _) in enumerate(lines) if last[s] != i)
-    checkpoint = sum(nxt[1] - cur[2] for cur, nxt in itertools.pairwise(lines)
-                     if nxt[0] == cur[0] + 1 and nxt[3] == cur[3] and (cur[0] + 1) % 10 == 0)
+    gaps = [(cur[3], (cur[0] + 1) % 10 == 0, nxt[1] - cur[2])
+            for cur, nxt in itertools.pairwise(lines)
+            if nxt[0] == cur[0] + 1 and nxt[3] == cur[3]]
+    loop = {pid: statistics.median([g for p, save, g in gaps if p == pid and not save] or [0])
+            for pid, _, _ in gaps}
+    checkpoint = sum(max(0.0, g - loop[pid]) for pid, save, g in gaps if save)
     startup = lines[0][1] - start
     other = end - lines[-1][2]
     wall = end - start
