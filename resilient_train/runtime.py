@@ -298,8 +298,8 @@ def _life(fn: Callable[..., R], group: Any, options: MainOptions, args: tuple[An
     ctx = Context(group, options)
     with ctx.checkpoints:  # on an error: waits for the save in flight, never raises over it
         try:
-            # A peer's state moves while fn builds the model (peers.EarlyTransfer).
-            ctx.checkpoints.start_peer_restore()
+            # The state is fetched while fn builds the model (checkpoint/early.py).
+            ctx.checkpoints.start_restore()
             result = fn(ctx, *args, **kwargs)
         except Exception as exc:
             death = exc if _loader_death(exc) else _surfaced_loader_death(exc)

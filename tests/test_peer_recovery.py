@@ -25,7 +25,7 @@ from resilient_train.checkpoint.directory import (
     rank_file,
     read_manifest,
 )
-from resilient_train.checkpoint.peers import EarlyTransfer
+from resilient_train.checkpoint.early import Early
 from resilient_train.checkpoint.recovery_plan import NoPlan, Plan, Recovered, Report, plan
 from resilient_train.checkpoint.recovery_plan import dumps_rank_state as _dumps
 from resilient_train.checkpoint.recovery_plan import loads_rank_state as _loads
@@ -134,35 +134,31 @@ def _recovered(step: int) -> Recovered:
                      save_point=(None, 0.0), last_commit=None)
 
 
-def test_an_early_transfer_hands_its_result_or_its_failure_to_the_restore() -> None:
-    the_plan = Plan(step=7, holder=0, needs_state=(1,), rank_source={0: 0, 1: 0},
-                    save_point=(None, 0.0), last_commit=None)
-    assert EarlyTransfer(the_plan, lambda: _recovered(7)).result().step == 7
+def test_an_early_restore_hands_its_result_or_its_failure_to_the_restore() -> None:
+    assert Early(lambda: _recovered(7), "the state of step 7").result().step == 7
 
     def lost() -> Recovered:
         raise ConnectionResetError("a peer went away mid-transfer")
 
     with pytest.raises(ConnectionResetError, match="mid-transfer"):
-        EarlyTransfer(the_plan, lost).result()
+        Early(lost, "the state of step 7").result()
 
 
-def test_a_sigterm_while_an_early_transfer_hangs_leaves_after_the_stall_time(
+def test_a_sigterm_while_an_early_restore_hangs_leaves_after_the_stall_time(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """A peer frozen mid-transfer: nothing ends the wait by itself, and StallGuard does not
     see a main thread that waits on another thread. After a SIGTERM the restore gives the
     transfer STALL_S, then leaves (exit 134); a transfer that ends in time is taken."""
     monkeypatch.setattr(sigterm, "STALL_S", 0.3)
-    the_plan = Plan(step=7, holder=0, needs_state=(1,), rank_source={0: 0, 1: 0},
-                    save_point=(None, 0.0), last_commit=None)
     frozen, slow = threading.Event(), threading.Event()
     try:
         sigterm.note()
-        with pytest.raises(StopRequestedError, match="state of step 7 from peers"):
-            EarlyTransfer(the_plan, lambda: (frozen.wait(), _recovered(7))[1]).result()
+        with pytest.raises(StopRequestedError, match="restoring the state of step 7"):
+            Early(lambda: (frozen.wait(), _recovered(7))[1], "the state of step 7").result()
         # Ends 0.1 s after the SIGTERM, inside the 0.3 s: the restore goes on.
         threading.Timer(0.1, slow.set).start()
-        assert EarlyTransfer(the_plan, lambda: (slow.wait(), _recovered(7))[1]
-                             ).result().step == 7
+        assert Early(lambda: (slow.wait(), _recovered(7))[1], "the state of step 7"
+                     ).result().step == 7
     finally:
         frozen.set()
         sigterm.forget()
@@ -204,7 +200,7 @@ def test_a_state_tree_moves_point_to_point_and_by_broadcast_between_real_process
 
 def test_a_restarted_ranks_state_arrives_before_it_has_built_its_model(
         tmp_path: Path) -> None:
-    """start_peer_restore: the ranks agree on the plan as the life begins and the state
+    """start_restore: the ranks agree on the plan as the life begins and the state
     moves in a thread; rank 1 (a new process as far as peer recovery knows) waits for the
     transfer to end, only then builds a model with other initial weights, and restores
     exactly rank 0's step-4 state, its own RNG and values from rank 0's copy."""

@@ -58,7 +58,8 @@ from .emergency import CommitGate, Grace, Outcome, SaveAbandoned, remaining
 from .loader import load_verified
 from .manifest import MARKER, CheckpointError, CorruptCheckpointError, FileEntry, Manifest
 from .nodelocal import LocalTier, NodeLocal, PersistentCadence
-from .peers import EarlyTransfer, PeerMemory, PeerRing, process_memory, tensor_versions
+from .early import Early
+from .peers import PeerMemory, PeerRing, process_memory, tensor_versions
 from .policy import (
     FOUR_HOURS,
     PRIOR_MTBF_S,
@@ -68,7 +69,7 @@ from .policy import (
     resolve_mtbf,
     with_ceiling,
 )
-from .recovery_plan import Plan, carry_out, loads_rank_state, plan
+from .recovery_plan import Plan, Recovered, Report, carry_out, loads_rank_state, plan
 from .retention import RetentionPolicy
 from .ringlink import RingLink, local_address, new_token
 from .scheduler import Decision, SaveScheduler, SigtermWatch
@@ -217,6 +218,38 @@ class RestoreRecord:
 TIERS = ("peer", "node-local", "persistent")
 
 
+# What a restore's first half (CheckpointManager._fetch) got, per tier, for its second
+# half (_load); ``record`` lacks only the restore's seconds.
+
+@dataclass(frozen=True)
+class _FromPeers:
+    record: RestoreRecord
+    plan: Plan
+    got: Recovered
+    sharded: bool
+
+
+@dataclass(frozen=True)
+class _FromLocal:
+    record: RestoreRecord
+    got: Recovered
+    newest: int | None       # the persistent tier's newest committed step
+    created: float           # when the restored step was saved
+    since: int               # saves since the last persistent one (PersistentCadence)
+
+
+@dataclass(frozen=True)
+class _FromStorage:
+    record: RestoreRecord
+    manifest: Manifest | None = None   # None: nothing to restore (a fresh start)
+    name: str = ""
+    shared: dict[str, Any] = field(default_factory=dict)
+    mine: dict[str, Any] = field(default_factory=dict)
+
+
+_Fetched = _FromPeers | _FromLocal | _FromStorage
+
+
 def _bytes_read(**per_tier: int) -> dict[str, int]:
     return {tier: int(per_tier.get(tier.replace("-", "_"), 0)) for tier in TIERS}
 
@@ -298,7 +331,7 @@ class CheckpointManager:
             self._ring = PeerRing(self.rank, self.world_size, group, link,
                                   peer_memory or process_memory(),
                                   tensor_versions(self._tracked))
-        self._early: EarlyTransfer | None = None   # start_peer_restore's transfers
+        self._early: Early[_Fetched] | None = None   # start_restore's first half
         self.last_restore: RestoreRecord | None = None
         # The step pre-hooks on tracked optimizers, removed at close: a hook would keep
         # this manager (and its process groups) alive as long as the optimizer.
@@ -315,7 +348,6 @@ class CheckpointManager:
         # Read once, and only for an automatic K: it may read the launcher's failure log.
         self._mtbf = resolve_mtbf() if self._cadence is not None and \
             self._cadence.fixed is None else (PRIOR_MTBF_S, "prior")
-        self._local_received = 0     # bytes of a node-local restore sent by other ranks
         self._local_step: int | None = None   # the last step committed to the node-local tier
         # SIGTERM: the emergency save's deadline, and the gate that refuses a late commit.
         self._grace = Grace.resolve(self.options.sigterm_grace_s)
@@ -794,102 +826,129 @@ class CheckpointManager:
 
     # --- restoring --------------------------------------------------------------------
 
-    def start_peer_restore(self) -> None:
-        """Begin this life's restore from live peers before the training code builds what
-        it restores into: every rank agrees on the plan now (a collective: every rank
-        calls this at the same point, as rt.main does before the training function) and
-        the state moves in a thread meanwhile (peers.EarlyTransfer); ``restore_latest``
-        takes it. Nothing starts without peer recovery or a plan from memory."""
+    def start_restore(self) -> None:
+        """Begin this life's restore from live peers before the training code builds what it
+        restores into (early.py): the ranks agree on the plan now and the state moves in a
+        thread while the training function builds; ``restore_latest`` joins it and loads.
+        A collective: every rank calls this at the same point, as rt.main does before the
+        training function. Nothing starts without a plan from memory: a restore from disk
+        or storage, run early too, gained nothing here (its reads and broadcast competed
+        with the build for the same cores and the process's GIL), so it waits for
+        ``restore_latest``."""
         if not self._peers or self._early is not None:
             return
         assert self._ring is not None
-        the_plan = plan(self.coord.allgather(self._ring.report()))
+        reports = self.coord.allgather(self._ring.report())
+        the_plan = plan(reports)
         if isinstance(the_plan, Plan):
-            self._early = self._ring.transfer_early(the_plan)
+            self._early = Early(lambda: self._fetch(sharded=False, reports=reports),
+                                f"the state of step {the_plan.step} from peers")
 
     def restore_latest(self, *, strict: bool = True) -> int | None:
         """Load the newest state into the tracked objects, the RNGs and ``values``; return
         its step, or None when there is none at all. After an in-process recovery that is
         the survivors' memory (peers.py: at most the step in flight lost, no storage read);
-        otherwise the newest committed step that verifies, read once and broadcast.
-        ``last_restore`` says which, with the bytes read per tier.
+        otherwise the node-local tier's newest step that every rank can get, else the
+        newest committed step that verifies, read once and broadcast. ``last_restore``
+        says which, with the bytes read per tier.
         A corrupt latest falls back to the previous one with a warning; if checkpoints
         exist but none verifies, raise instead of silently starting from scratch."""
         self.wait()
         t0 = time.perf_counter()
+        early, self._early = self._early, None
+        fetched = early.result() if early is not None \
+            else self._fetch(uses_sharded_layout(self._tracked))
+        step = self._load(fetched, strict, "" if early is None else
+                          f" in {early.seconds:.2f} s while the model was built")
+        self.last_restore = replace(fetched.record, seconds=time.perf_counter() - t0)
+        if self._ring is not None and step:
+            self._ring.restored(step, self._rank_state())
+        return step
+
+    # A restore in two halves: _fetch (which tier and step, every rank's bytes: nothing of
+    # the tracked objects, so it may run early, in a thread) and _load (into the objects).
+
+    def _fetch(self, sharded: bool, reports: list[Report] | None = None) -> _Fetched:
+        """The state to load, from the fastest tier that every rank can get it from.
+        ``reports``: what the ranks hold in memory, already exchanged (start_restore)."""
         reason = ""
         if self._peers:
-            sharded = uses_sharded_layout(self._tracked)
-            early, self._early = self._early, None
-            if early is not None:
-                early.result()   # joins: the main group is the restore's again
-                if not sharded:   # (a sharded state is never held as replicated: no plan)
-                    return self._restore_from_peers(early.plan, strict, t0, sharded,
-                                                    early=early)
-            mine = shard_copies.report(self._ring.memory, self.rank, self.storage.url) \
-                if sharded else self._ring.report()
-            the_plan = plan(self.coord.allgather(mine))
+            assert self._ring is not None
+            if reports is None:
+                mine = shard_copies.report(self._ring.memory, self.rank, self.storage.url) \
+                    if sharded else self._ring.report()
+                reports = self.coord.allgather(mine)
+            the_plan = plan(reports)
             if isinstance(the_plan, Plan):
-                return self._restore_from_peers(the_plan, strict, t0, sharded)
+                return self._fetch_from_peers(the_plan, sharded)
             reason = the_plan.reason
             if self.is_primary:   # one line for the job: every rank computed the same plan
                 (log.warning if the_plan.survivors else log.info)(
                     "restoring from %s, not from peers: %s", self.storage.url, reason)
         if self._local is not None:
-            local_step, why, from_rank = self._restore_from_local(strict)
-            if local_step is not None:
-                self.last_restore = RestoreRecord(
-                    step=local_step, source="node-local", seconds=time.perf_counter() - t0,
-                    bytes_read=_bytes_read(node_local=self._local.read_bytes,
-                                           peer=self._local_received),
-                    from_rank=from_rank, reason=reason, where=self._local.url)
-                if self._ring is not None:
-                    self._ring.restored(local_step, self._rank_state())
-                return local_step
-            reason = f"{reason}; {why}" if reason else why
-        step = self._restore_from_storage(strict)
-        self.last_restore = RestoreRecord(
-            step=step or 0, source="persistent" if step else "none",
-            seconds=time.perf_counter() - t0,
-            bytes_read=_bytes_read(persistent=self._read_bytes), reason=reason,
-            where=self.storage.url)
-        if self._ring is not None and step:
-            self._ring.restored(step, self._rank_state())
-        return step
+            local = self._fetch_from_local()
+            if not isinstance(local, str):
+                return replace(local, record=replace(local.record, reason=reason))
+            reason = f"{reason}; {local}" if reason else local
+        return self._fetch_from_storage(reason)
 
-    def _restore_from_peers(self, the_plan: Plan, strict: bool, t0: float, sharded: bool,
-                            early: EarlyTransfer | None = None) -> int:
-        """``early``: start_peer_restore's transfers, over: the restore moves nothing."""
+    def _load(self, fetched: _Fetched, strict: bool, early: str) -> int | None:
+        """Load what _fetch got into the tracked objects, the RNGs and ``values``.
+        ``early``: " in N s while the model was built", for the log line, or ""."""
+        if isinstance(fetched, _FromPeers):
+            return self._load_from_peers(fetched, strict, early)
+        if isinstance(fetched, _FromLocal):
+            got = fetched.got
+            self._load_trees(got.shared, got.mine, strict)
+            self.last_commit_step = fetched.newest
+            self.scheduler.restored(got.step, fetched.created)
+            assert self._cadence is not None
+            self._cadence.since = fetched.since
+            log.info("restored checkpoint step %d from the node-local tier%s%s", got.step,
+                     "" if got.from_rank is None else f" (rank {got.from_rank}'s machine)",
+                     f", read{early}" if early else "")
+            return got.step
+        if fetched.manifest is None:
+            return None
+        self._apply(fetched.manifest, fetched.shared, fetched.mine, strict,
+                    f", read{early}" if early else "")
+        self.known.restored = fetched.name
+        return fetched.manifest.step
+
+    def _fetch_from_peers(self, the_plan: Plan, sharded: bool) -> _FromPeers:
         assert self._ring is not None
         if sharded:   # a save's shards, from each rank's memory or its neighbour's
             got = carry_out(the_plan, shard_copies.ShardHoldings(self._ring.memory),
                             self.rank, self._ring.group)
+            giver = the_plan.rank_source[self.rank]   # where its shard, the bulk, came from
+            from_rank = None if giver == self.rank else giver
+        else:
+            got = self._ring.transfer(the_plan)
+            from_rank = got.from_rank
+        record = RestoreRecord(step=got.step, source="peer", seconds=0.0,
+                               bytes_read=_bytes_read(peer=got.nbytes), from_rank=from_rank)
+        return _FromPeers(record, the_plan, got, sharded)
+
+    def _load_from_peers(self, fetched: _FromPeers, strict: bool, early: str) -> int:
+        assert self._ring is not None
+        got = fetched.got
+        if fetched.sharded:
             shard_copies.load(self._tracked, got.mine["dcp"], got.shared, strict=strict)
             self._load_trees(None, got.mine["rank"], strict)
-            giver = the_plan.rank_source[self.rank]   # where its shard, the bulk, came from
-            if giver != self.rank:
-                got = replace(got, from_rank=giver)
         else:
-            got = self._ring.adopt(the_plan, early.result() if early is not None
-                                   else self._ring.transfer(the_plan))
+            got = self._ring.adopt(fetched.plan, got)
             self._load_trees(got.shared, got.mine, strict)
         self.last_commit_step = got.last_commit
         self.scheduler.restored(*got.save_point)
-        self._ring.restored(got.step, self._rank_state())
-        self.last_restore = RestoreRecord(
-            step=got.step, source="peer", seconds=time.perf_counter() - t0,
-            bytes_read=_bytes_read(peer=got.nbytes), from_rank=got.from_rank)
         log.info("restored step %d from %s (%s of state received%s), no storage read",
-                 got.step, "memory" if got.from_rank is None else f"rank {got.from_rank}",
-                 format_bytes(got.nbytes),
-                 f" in {early.seconds:.2f} s while the model was built" if early else "")
+                 got.step, "memory" if fetched.record.from_rank is None else
+                 f"rank {fetched.record.from_rank}", format_bytes(got.nbytes), early)
         return got.step
 
-    def _restore_from_local(self, strict: bool) -> tuple[int | None, str, int | None]:
-        """Restore from the machines' disks by plan (recovery_plan.py): the newest step, no
-        older than the persistent tier's newest, that every rank can get from its own disk
-        or another rank's: (step, "", the rank that sent the replicated state, if one did);
-        else (None, why not, None)."""
+    def _fetch_from_local(self) -> _FromLocal | str:
+        """From the machines' disks by plan (recovery_plan.py): the newest step, no older
+        than the persistent tier's newest, that every rank can get from its own disk or
+        another rank's; else why not."""
         assert self._local is not None
         newest = None
         if self.is_primary:
@@ -906,10 +965,9 @@ class CheckpointManager:
                             nothing="a fresh start, or every machine is new")
             if not isinstance(the_plan, Plan):
                 if bad:   # what was there did not verify: say that, not "nothing there"
-                    return None, (f"the node-local copy of step(s) "
-                                  f"{', '.join(map(str, sorted(bad)))} does not verify on "
-                                  f"some rank"), None
-                return None, the_plan.reason, None
+                    return (f"the node-local copy of step(s) "
+                            f"{', '.join(map(str, sorted(bad)))} does not verify on some rank")
+                return the_plan.reason
             holdings = None
             try:
                 holdings = self._local.holdings(the_plan)
@@ -924,20 +982,19 @@ class CheckpointManager:
             got = carry_out(the_plan, holdings, self.rank,
                             getattr(self.coord, "main_group", None))
             break
-        self._load_trees(got.shared, got.mine, strict)
-        self.last_commit_step = newest
-        self.scheduler.restored(got.step, holdings.created or time.time())
-        self._local_received = got.nbytes
         # Saves since the last persistent one, alike on every rank (they must all decide
         # alike which save goes to storage): the holder's, up to the restored step.
-        assert self._cadence is not None
-        self._cadence.since = sum(1 for s in reports[the_plan.holder].own
-                                  if s <= got.step and (newest is None or s > newest))
-        log.info("restored checkpoint step %d from the node-local tier%s", got.step,
-                 "" if got.from_rank is None else f" (rank {got.from_rank}'s machine)")
-        return got.step, "", got.from_rank
+        since = sum(1 for s in reports[the_plan.holder].own
+                    if s <= got.step and (newest is None or s > newest))
+        record = RestoreRecord(
+            step=got.step, source="node-local", seconds=0.0,
+            bytes_read=_bytes_read(node_local=self._local.read_bytes, peer=got.nbytes),
+            from_rank=got.from_rank, where=self._local.url)
+        return _FromLocal(record, got, newest, holdings.created or time.time(), since)
 
-    def _restore_from_storage(self, strict: bool) -> int | None:
+    def _fetch_from_storage(self, reason: str) -> _FromStorage:
+        """The newest committed step that verifies on every rank: each rank's own file, and
+        the replicated state read once, by the primary, and broadcast."""
         self._read_bytes = 0
         infos = scan(self.storage, with_manifest=False) if self.is_primary else []
         names: list[tuple[int, str]] = self.coord.broadcast(
@@ -955,9 +1012,10 @@ class CheckpointManager:
             if self.coord.allreduce_max([0 if loaded else 1])[0] == 0 and loaded is not None:
                 manifest, shared, mine = loaded
                 shared = self._share(shared)
-                self._apply(manifest, shared, mine, strict)
-                self.known.restored = name
-                return step
+                if mine is None:
+                    mine = self._values_of_rank_0(manifest)
+                return _FromStorage(self._storage_record(step, reason), manifest, name,
+                                    shared, mine)
             self.known.bad.add(name)
             log.warning("checkpoint %s does not verify%s; trying the previous one",
                         self.storage.url_of(name), f": {problems[-1]}" if problems else
@@ -970,7 +1028,23 @@ class CheckpointManager:
                 "or pass a new checkpoint directory to start over.")
         if self.is_primary:
             self._explain_fresh_start()
-        return None
+        return _FromStorage(self._storage_record(0, reason))
+
+    def _storage_record(self, step: int, reason: str) -> RestoreRecord:
+        return RestoreRecord(step=step, source="persistent" if step else "none", seconds=0.0,
+                             bytes_read=_bytes_read(persistent=self._read_bytes),
+                             reason=reason, where=self.storage.url)
+
+    def _values_of_rank_0(self, manifest: Manifest) -> dict[str, Any]:
+        """A step saved by fewer ranks has no file for this one: rank 0's ``values``, and
+        this rank's RNG streams as they are (another rank's are not ours)."""
+        log.warning("checkpoint step %d was written by %d ranks and has no file for rank "
+                    "%d: its RNG state stays as it is and the values of rank 0 are used",
+                    manifest.step, manifest.world_size, self.rank)
+        theirs = load_verified(self.storage, find_committed(self.storage, manifest.step),
+                               rank_file(0), manifest)
+        self._read_bytes += manifest.files[rank_file(0)].size
+        return {"values": theirs["values"]}
 
     def _warn_uncommitted(self, infos: list[StepInfo]) -> None:
         """Name each step directory newer than the newest commit that has no marker: restore
@@ -1045,22 +1119,15 @@ class CheckpointManager:
             return shared
         return broadcast_tree(shared if self.is_primary else None, 0, self.rank, group).tree
 
-    def _apply(self, manifest: Manifest, shared: dict[str, Any], mine: dict[str, Any] | None,
-               strict: bool) -> None:
+    def _apply(self, manifest: Manifest, shared: dict[str, Any], mine: dict[str, Any],
+               strict: bool, early: str = "") -> None:
         if manifest.layout == SHARDED_LAYOUT:
             self._sharded.load(self.storage, manifest, self._tracked, shared, strict=strict)
-        if mine is None:
-            log.warning("checkpoint step %d was written by %d ranks and has no file for rank "
-                        "%d: its RNG state stays as it is and the values of rank 0 are used",
-                        manifest.step, manifest.world_size, self.rank)
-            mine = load_verified(self.storage, find_committed(self.storage, manifest.step),
-                                 rank_file(0), manifest)
-            self._read_bytes += manifest.files[rank_file(0)].size
-            mine = {"values": mine["values"]}   # another rank's RNG streams are not ours
         self._load_trees(None if manifest.layout == SHARDED_LAYOUT else shared, mine, strict)
         self.last_commit_step = manifest.step
         self.scheduler.restored(manifest.step, manifest.created)
-        log.info("restored checkpoint step %d from %s", manifest.step, self.storage.url)
+        log.info("restored checkpoint step %d from %s%s", manifest.step, self.storage.url,
+                 early)
 
     def _load_trees(self, shared: dict[str, Any] | None, mine: dict[str, Any],
                     strict: bool) -> None:

@@ -35,16 +35,12 @@ from __future__ import annotations
 
 import logging
 import pickle
-import threading
-import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from .. import sigterm
-from ..distributed.errors import StopRequestedError
 from .recovery_plan import Plan, Recovered, Report, carry_out, dumps_rank_state
 from .ringlink import Frame, RingLink
 from .state import rng_fingerprint
@@ -122,59 +118,6 @@ _MEMORY = PeerMemory()
 def process_memory() -> PeerMemory:
     """The process's one PeerMemory: a life hands over to it, the next one restores."""
     return _MEMORY
-
-
-class EarlyTransfer:
-    """A restore's transfers, running while the training code builds its model.
-
-    A restarted process spends its first seconds importing and building (torch.optim's
-    first optimizer alone imports torch._dynamo: about 1.5 s here); the survivors wait
-    for it meanwhile. The plan needs only what the processes hold, not the objects the
-    state goes into, so every rank agrees on it as the life begins and the state moves
-    in a thread during the build. Its group (the manager's main gloo group) has no other
-    user until the restore, which joins the thread first; the training code's own
-    collectives use the default group."""
-
-    def __init__(self, the_plan: Plan, move: Callable[[], Recovered]) -> None:
-        self.plan = the_plan
-        self._move = move
-        self._got: Recovered | None = None
-        self._error: BaseException | None = None
-        self.seconds = 0.0
-        self._thread = threading.Thread(target=self._run, name="rt-peer-transfer",
-                                        daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
-        t0 = time.perf_counter()
-        try:
-            self._got = self._move()
-        except BaseException as exc:  # noqa: BLE001 - raised again where the restore waits
-            self._error = exc
-        self.seconds = time.perf_counter() - t0
-
-    def done(self) -> bool:
-        return not self._thread.is_alive()
-
-    def result(self) -> Recovered:
-        """Wait for the transfers; their failure (a peer lost meanwhile) is raised here.
-        After a SIGTERM they get sigterm.STALL_S more, as a main thread blocked in a
-        collective does (sigterm.StallGuard, which does not see a wait on a thread): then
-        the life leaves, transient, with nothing loaded and so nothing to save."""
-        deadline: float | None = None
-        while self._thread.is_alive():
-            self._thread.join(0.1)
-            if deadline is None and sigterm.received():
-                deadline = time.monotonic() + sigterm.STALL_S
-            if deadline is not None and time.monotonic() >= deadline \
-                    and self._thread.is_alive():
-                raise StopRequestedError(
-                    f"SIGTERM while receiving the state of step {self.plan.step} from peers, "
-                    f"and the transfer did not end within {sigterm.STALL_S:g} s; leaving")
-        if self._error is not None:
-            raise self._error
-        assert self._got is not None
-        return self._got
 
 
 class PeerRing:
@@ -299,11 +242,6 @@ class PeerRing:
         """The moves of ``the_plan`` from this process's memory (every rank calls it); the
         memory is left as it was until :meth:`adopt`."""
         return carry_out(the_plan, MemoryHoldings(self.memory), self.rank, self.group)
-
-    def transfer_early(self, the_plan: Plan) -> EarlyTransfer:
-        """:meth:`transfer` in a thread, started before the training code has built what
-        it restores into (every rank calls it at the same point)."""
-        return EarlyTransfer(the_plan, lambda: self.transfer(the_plan))
 
     def adopt(self, the_plan: Plan, got: Recovered) -> Recovered:
         """``got`` is being loaded: this rank's memory now describes the restored step."""

@@ -1,9 +1,9 @@
 """Two ranks, two lives, one process each: rank 1's second life is a restarted process
 (an empty PeerMemory), and its state comes from rank 0's memory *before* rank 1 has built
-the model it restores into (CheckpointManager.start_peer_restore, peers.EarlyTransfer).
+the model it restores into (CheckpointManager.start_restore, early.py).
 
 Life 1: both ranks train 4 steps (the ring keeps each rank's RNG and values at every
-boundary) and hand over. Life 2: both call start_peer_restore; rank 1 waits until the
+boundary) and hand over. Life 2: both call start_restore; rank 1 waits until the
 transfer is over and only then builds its model (with other initial weights) and
 optimizer, tracks them and restores. Each rank writes ``$RESULT_DIR/rankR.pt``: its
 weights, the optimizer's state, the restore record, and a draw from its RNG."""
@@ -64,13 +64,12 @@ def main() -> None:
     # Life 2: rank 1 is a new process as far as peer recovery knows.
     memory = PeerMemory() if rank == 1 else None
     mgr = manager(memory)
-    mgr.start_peer_restore()
+    mgr.start_restore()
     early = mgr._early
     arrived_first = None
     if rank == 1:
         assert early is not None, "no transfer started"
-        early._thread.join(timeout=60)
-        arrived_first = early.done()   # before anything below was built
+        arrived_first = early.join(60)   # before anything below was built
     model2, opt2 = build(1 + rank)     # other initial weights: the restore must replace them
     mgr.track(model=model2, optimizer=opt2)
     step = mgr.restore_latest()
