@@ -52,11 +52,10 @@ class Early(Generic[T]):
         return self.done()
 
     def result(self) -> T:
-        """Wait for the fetch; its failure (a peer lost meanwhile, a checkpoint that does
-        not verify) is raised here. After a SIGTERM it gets sigterm.STALL_S more, as a main
-        thread blocked in a collective does (sigterm.StallGuard, which does not see a wait
-        on a thread): then the life leaves, transient, with nothing loaded and so nothing to
-        save."""
+        """Wait for the fetch; its failure (a peer lost meanwhile) is raised here. After a
+        SIGTERM it gets sigterm.STALL_S more, as a main thread blocked in a collective does
+        (sigterm.StallGuard, which does not see a wait on a thread): then the life leaves,
+        transient, with nothing loaded and so nothing to save."""
         deadline: float | None = None
         while self._thread.is_alive():
             self._thread.join(0.1)

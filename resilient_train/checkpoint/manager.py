@@ -69,7 +69,7 @@ from .policy import (
     resolve_mtbf,
     with_ceiling,
 )
-from .recovery_plan import Plan, Recovered, Report, carry_out, loads_rank_state, plan
+from .recovery_plan import Plan, Recovered, carry_out, loads_rank_state, plan
 from .retention import RetentionPolicy
 from .ringlink import RingLink, local_address, new_token
 from .scheduler import Decision, SaveScheduler, SigtermWatch
@@ -331,7 +331,7 @@ class CheckpointManager:
             self._ring = PeerRing(self.rank, self.world_size, group, link,
                                   peer_memory or process_memory(),
                                   tensor_versions(self._tracked))
-        self._early: Early[_Fetched] | None = None   # start_restore's first half
+        self._early: Early[_FromPeers] | None = None   # start_restore's transfers
         self.last_restore: RestoreRecord | None = None
         # The step pre-hooks on tracked optimizers, removed at close: a hook would keep
         # this manager (and its process groups) alive as long as the optimizer.
@@ -838,10 +838,9 @@ class CheckpointManager:
         if not self._peers or self._early is not None:
             return
         assert self._ring is not None
-        reports = self.coord.allgather(self._ring.report())
-        the_plan = plan(reports)
+        the_plan = plan(self.coord.allgather(self._ring.report()))
         if isinstance(the_plan, Plan):
-            self._early = Early(lambda: self._fetch(sharded=False, reports=reports),
+            self._early = Early(lambda: self._fetch_from_peers(the_plan, sharded=False),
                                 f"the state of step {the_plan.step} from peers")
 
     def restore_latest(self, *, strict: bool = True) -> int | None:
@@ -868,17 +867,14 @@ class CheckpointManager:
     # A restore in two halves: _fetch (which tier and step, every rank's bytes: nothing of
     # the tracked objects, so it may run early, in a thread) and _load (into the objects).
 
-    def _fetch(self, sharded: bool, reports: list[Report] | None = None) -> _Fetched:
-        """The state to load, from the fastest tier that every rank can get it from.
-        ``reports``: what the ranks hold in memory, already exchanged (start_restore)."""
+    def _fetch(self, sharded: bool) -> _Fetched:
+        """The state to load, from the fastest tier that every rank can get it from."""
         reason = ""
         if self._peers:
             assert self._ring is not None
-            if reports is None:
-                mine = shard_copies.report(self._ring.memory, self.rank, self.storage.url) \
-                    if sharded else self._ring.report()
-                reports = self.coord.allgather(mine)
-            the_plan = plan(reports)
+            mine = shard_copies.report(self._ring.memory, self.rank, self.storage.url) \
+                if sharded else self._ring.report()
+            the_plan = plan(self.coord.allgather(mine))
             if isinstance(the_plan, Plan):
                 return self._fetch_from_peers(the_plan, sharded)
             reason = the_plan.reason
@@ -892,9 +888,10 @@ class CheckpointManager:
             reason = f"{reason}; {local}" if reason else local
         return self._fetch_from_storage(reason)
 
-    def _load(self, fetched: _Fetched, strict: bool, early: str) -> int | None:
+    def _load(self, fetched: _Fetched, strict: bool, early: str = "") -> int | None:
         """Load what _fetch got into the tracked objects, the RNGs and ``values``.
-        ``early``: " in N s while the model was built", for the log line, or ""."""
+        ``early``: " in N s while the model was built" (start_restore's transfers), for
+        the log line, or ""."""
         if isinstance(fetched, _FromPeers):
             return self._load_from_peers(fetched, strict, early)
         if isinstance(fetched, _FromLocal):
@@ -904,14 +901,12 @@ class CheckpointManager:
             self.scheduler.restored(got.step, fetched.created)
             assert self._cadence is not None
             self._cadence.since = fetched.since
-            log.info("restored checkpoint step %d from the node-local tier%s%s", got.step,
-                     "" if got.from_rank is None else f" (rank {got.from_rank}'s machine)",
-                     f", read{early}" if early else "")
+            log.info("restored checkpoint step %d from the node-local tier%s", got.step,
+                     "" if got.from_rank is None else f" (rank {got.from_rank}'s machine)")
             return got.step
         if fetched.manifest is None:
             return None
-        self._apply(fetched.manifest, fetched.shared, fetched.mine, strict,
-                    f", read{early}" if early else "")
+        self._apply(fetched.manifest, fetched.shared, fetched.mine, strict)
         self.known.restored = fetched.name
         return fetched.manifest.step
 
@@ -1120,14 +1115,13 @@ class CheckpointManager:
         return broadcast_tree(shared if self.is_primary else None, 0, self.rank, group).tree
 
     def _apply(self, manifest: Manifest, shared: dict[str, Any], mine: dict[str, Any],
-               strict: bool, early: str = "") -> None:
+               strict: bool) -> None:
         if manifest.layout == SHARDED_LAYOUT:
             self._sharded.load(self.storage, manifest, self._tracked, shared, strict=strict)
         self._load_trees(None if manifest.layout == SHARDED_LAYOUT else shared, mine, strict)
         self.last_commit_step = manifest.step
         self.scheduler.restored(manifest.step, manifest.created)
-        log.info("restored checkpoint step %d from %s%s", manifest.step, self.storage.url,
-                 early)
+        log.info("restored checkpoint step %d from %s", manifest.step, self.storage.url)
 
     def _load_trees(self, shared: dict[str, Any] | None, mine: dict[str, Any],
                     strict: bool) -> None:
