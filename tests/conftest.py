@@ -1,4 +1,5 @@
-"""Shared fixtures: a fake-gcs-server for the session, fresh buckets, a fault proxy."""
+"""Shared fixtures: a fake-gcs-server for the session, fresh buckets, a fault proxy. And
+how the suite is spread over processes (pytest-xdist, set up in pyproject.toml)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import pytest
+from _pytest.fixtures import FixtureDef
 from gcs import FaultProxy, GcsEmulator, emulator_binary, start_emulator
 
 
@@ -51,3 +53,23 @@ def gcs_proxy(gcs_server: GcsEmulator) -> Iterator[FaultProxy]:
         yield proxy
     finally:
         proxy.stop()
+
+
+# --- spreading the suite over processes (pytest-xdist's --dist loadgroup) -----------------
+
+
+def _module_fixtures(item: pytest.Item) -> bool:
+    """Whether the test uses a module-scoped fixture (a job run once for the module's tests)."""
+    info = getattr(item, "_fixtureinfo", None)
+    defs: dict[str, tuple[FixtureDef[Any], ...]] = getattr(info, "name2fixturedefs", {})
+    return any(d and d[-1].scope == "module" for d in defs.values())
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """In a run spread over processes, the tests that share a module-scoped fixture run in
+    one process: in two, each would run the fixture's job again."""
+    if not getattr(config.option, "numprocesses", None):
+        return
+    for item in items:
+        if isinstance(item, pytest.Function) and _module_fixtures(item):
+            item.add_marker(pytest.mark.xdist_group(item.module.__name__))

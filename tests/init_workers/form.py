@@ -8,7 +8,6 @@ come to the barrier: it sleeps SKIP_SLEEP_S and exits).
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import sys
@@ -17,6 +16,7 @@ import time
 
 import torch
 import torch.distributed as dist
+from jsonline import emit
 
 import resilient_train as rt
 
@@ -30,9 +30,8 @@ try:
         join_timeout_s=float(os.environ.get("JOIN_TIMEOUT_S", "60")),
         barrier_timeout_s=float(os.environ.get("BARRIER_TIMEOUT_S", "60"))))
 except rt.RendezvousTimeoutError as exc:
-    print(json.dumps({"rank": rank, "error": type(exc).__name__, "message": str(exc),
-                      "missing": list(exc.missing), "after_s": time.monotonic() - t0}),
-          flush=True)
+    emit({"rank": rank, "error": type(exc).__name__, "message": str(exc),
+                      "missing": list(exc.missing), "after_s": time.monotonic() - t0})
     sys.exit(3)
 formed_s = time.monotonic() - t0
 t = torch.tensor([float(group.rank + 1)])
@@ -43,7 +42,7 @@ result: dict[str, object] = {"rank": group.rank, "sum": t.item(),
 if os.environ.get("SKIP_BARRIER_RANK") == str(rank):
     time.sleep(float(os.environ.get("SKIP_SLEEP_S", "10")))
     group.shutdown(wait_for_peers=False)
-    print(json.dumps(result | {"skipped_barrier": True}), flush=True)
+    emit(result | {"skipped_barrier": True})
     sys.exit(0)
 try:
     group.barrier("after-allreduce")
@@ -54,4 +53,4 @@ else:
     group.shutdown()
 result["initialized_after_shutdown"] = dist.is_initialized()
 result["threads_after_shutdown"] = sorted(t.name for t in threading.enumerate())
-print(json.dumps(result), flush=True)
+emit(result)

@@ -7,13 +7,13 @@ appears; its second life (LIFE=1) joins the survivor. Each rank prints one JSON 
 
 from __future__ import annotations
 
-import json
 import os
 import time
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from jsonline import emit
 
 import resilient_train as rt
 
@@ -40,6 +40,6 @@ def train() -> None:
 
 
 group.run(train)
-print(json.dumps({"rank": rank, "generation": group.generation,
-                  "recoveries": group.recoveries}), flush=True)
+emit({"rank": rank, "generation": group.generation,
+                  "recoveries": group.recoveries})
 group.shutdown()

@@ -8,13 +8,13 @@ survivor prints how long after the death its collective failed, as one JSON line
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 import time
 
 import torch
 import torch.distributed as dist
+from jsonline import emit
 
 import resilient_train as rt
 
@@ -41,7 +41,7 @@ try:
 except rt.RendezvousTimeoutError:
     pass  # nobody restarts the primary in this test
 except Exception as exc:  # noqa: BLE001 - reported to the test
-    print(json.dumps({"rank": rank, "unexpected": repr(exc)[:300]}), flush=True)
-print(json.dumps({"rank": rank, "recoveries": group.recoveries, **noticed}), flush=True)
+    emit({"rank": rank, "unexpected": repr(exc)[:300]})
+emit({"rank": rank, "recoveries": group.recoveries, **noticed})
 sys.stdout.flush()
 os._exit(0)
