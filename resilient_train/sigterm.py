@@ -33,11 +33,12 @@ import math
 import os
 import select
 import signal
-import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
 from types import CodeType, FrameType
+
+from .frames import current_frames
 
 logger = logging.getLogger(__name__)
 
@@ -244,6 +245,29 @@ def noted(enabled: bool = True) -> Iterator[None]:
 STALL_S = 5.0
 
 
+def main_stuck_in_torch(stall_s: float, watching: Callable[[], bool]) -> bool:
+    """Whether the main thread stays at one instruction inside torch for ``stall_s``.
+    Polled, so a thread that moves on is never taken for a stuck one; False once the main
+    thread is gone or ``watching()`` turns False."""
+    main = threading.main_thread().ident
+    seen: tuple[int, int] | None = None
+    still_since = time.monotonic()
+    while True:
+        frame = current_frames().get(main) if main is not None else None
+        if frame is None:
+            return False  # the main thread is gone: the process is exiting
+        where = (id(frame.f_code), frame.f_lasti)
+        inside_torch = f"{os.sep}torch{os.sep}" in frame.f_code.co_filename
+        now = time.monotonic()
+        if where != seen or not inside_torch:
+            seen, still_since = where, now
+        elif now - still_since >= stall_s:
+            return True
+        if not watching():
+            return False
+        time.sleep(min(0.5, stall_s / 4))
+
+
 class StallGuard:
     """Reacts to a SIGTERM that the main thread does not handle within ``stall_s``."""
 
@@ -291,25 +315,7 @@ class StallGuard:
                 self._stalled()
 
     def _main_stuck(self) -> bool:
-        """Whether the main thread stays at one instruction inside torch for ``stall_s``
-        (polled, so a thread that moves on is never taken for a stuck one)."""
-        main = threading.main_thread().ident
-        seen: tuple[int, int] | None = None
-        still_since = time.monotonic()
-        while True:
-            frame = sys._current_frames().get(main) if main is not None else None
-            if frame is None:
-                return False  # the main thread is gone: the process is exiting
-            where = (id(frame.f_code), frame.f_lasti)
-            inside_torch = f"{os.sep}torch{os.sep}" in frame.f_code.co_filename
-            now = time.monotonic()
-            if where != seen or not inside_torch:
-                seen, still_since = where, now
-            elif now - still_since >= self.stall_s:
-                return True
-            if self._write_fd == -1:
-                return False  # closed meanwhile
-            time.sleep(min(0.5, self.stall_s / 4))
+        return main_stuck_in_torch(self.stall_s, lambda: self._write_fd != -1)
 
     def _stalled(self) -> None:
         logger.warning("SIGTERM: the main thread has been blocked inside torch for %.0f s "

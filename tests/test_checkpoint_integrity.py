@@ -17,7 +17,6 @@ import logging
 import os
 import random
 import shutil
-import sys
 import threading
 import time
 import types
@@ -54,6 +53,7 @@ from resilient_train.checkpoint.storage import (
     StorageUnavailableError,
 )
 from resilient_train.errors import Classification, classify_exception
+from resilient_train.frames import current_frames
 
 FAST = RetryOptions(deadline_s=30.0, initial_s=0.01, max_wait_s=0.1)
 LOGGER = manager_mod.log.name
@@ -747,7 +747,7 @@ def test_async_error_when_the_directory_goes_bad_mid_run(tmp_path: Any, how: str
 
 
 def _blocked_in_wait(thread: threading.Thread) -> bool:
-    frame = sys._current_frames().get(thread.ident or -1)
+    frame = current_frames().get(thread.ident or -1)
     while frame is not None:
         if frame.f_code.co_name == "wait" and frame.f_code.co_filename.endswith("threading.py"):
             return True

@@ -16,10 +16,12 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 from resilient_train.distributed import (
     DistributedConfigError,
@@ -35,6 +37,7 @@ from resilient_train.distributed.resolve import resolve
 from resilient_train.ports import free_port
 
 FORM = Path(__file__).parent / "init_workers" / "form.py"
+HELD = Path(__file__).parent / "init_workers" / "held.py"
 
 
 def run_ranks(world: int, delays: dict[int, float], *, extra: dict[str, str] | None = None,
@@ -465,3 +468,58 @@ def test_sigterm_ends_a_wait_for_peers_that_are_being_stopped_too() -> None:
         timer.cancel()
         sigterm.forget()          # process-wide: the other tests run after this one
         primary.store = None
+
+
+def test_a_training_thread_held_inside_torch_is_told_from_one_that_is_not() -> None:
+    # What a rank checks after a lost peer's connections were cut (group._leave_if_stuck):
+    # whether its training thread (this test's, the main thread) stays at one call inside
+    # torch. Here: a torch Future that only the watching thread completes.
+    from resilient_train.sigterm import main_stuck_in_torch
+
+    held = torch.futures.Future()
+    seen: dict[str, bool] = {}
+
+    def watch(key: str, watching: Callable[[], bool]) -> None:
+        seen[key] = main_stuck_in_torch(0.3, watching)
+        if not held.done():
+            held.set_result(None)
+
+    watcher = threading.Thread(target=watch, args=("held", lambda: True))
+    watcher.start()
+    held.wait()
+    watcher.join()
+    assert seen["held"] is True
+    # Outside torch (a sleep here) it is never stuck, and the watch ends when told to.
+    stop = threading.Event()
+    watcher = threading.Thread(target=watch, args=("free", lambda: not stop.is_set()))
+    watcher.start()
+    time.sleep(1.0)
+    stop.set()
+    watcher.join()
+    assert seen["free"] is False
+
+
+@pytest.mark.slow
+def test_a_rank_held_inside_torch_after_its_peer_left_exits_transient(tmp_path: Path) -> None:
+    from resilient_train.distributed.group import LOST_PEER_STALL_S
+
+    port = free_port()
+    procs = []
+    for rank in range(2):
+        env = dict(os.environ, RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
+                   MASTER_PORT=str(port), GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1",
+                   READY=str(tmp_path / "ready"))
+        for var in ("CLUSTER_SPEC", "TF_CONFIG", "TORCHELASTIC_USE_AGENT_STORE"):
+            env.pop(var, None)
+        procs.append(subprocess.Popen([sys.executable, str(HELD)], env=env, text=True,
+                                      stdout=subprocess.DEVNULL, stderr=subprocess.PIPE))
+    try:
+        _, err = procs[1].communicate(timeout=LOST_PEER_STALL_S + 90)
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait(timeout=30)
+    assert procs[1].returncode == 134, err[-3000:]
+    assert (f"its training thread stayed at one call inside torch for "
+            f"{LOST_PEER_STALL_S:g} s") in err, err[-3000:]
+    assert "torch/futures/__init__.py" in err   # the stacks of all threads, in the log

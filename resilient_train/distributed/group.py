@@ -41,6 +41,12 @@ from .sever import Baseline, sever_gloo
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
+
+# How long the training thread may stay at one call inside torch once a lost peer's
+# connections were cut, before the rank gives up re-forming in-process (_leave_if_stuck):
+# far past any collective that sees its sockets fail, and short of the job's patience.
+LOST_PEER_STALL_S = 30.0
+
 OnPeerRestart = Literal["recover", "exit"]
 
 
@@ -477,6 +483,7 @@ class DistributedGroup:
                           f"{self.info.master_port}: the primary {self.name_of(0)} stopped or "
                           f"restarted ({first_line(exc)})")
             self._flag(reason)
+            self._leave_if_stuck(reason, stop)
             return
 
     def _flag(self, reason: str) -> None:
@@ -484,6 +491,19 @@ class DistributedGroup:
         self._peer_lost.set()
         logger.warning("%s: %s", self.replica_name, reason)
         self._end_collectives()
+
+    def _leave_if_stuck(self, reason: str, stop: threading.Event) -> None:
+        """Once its connections are cut, the training thread leaves the collective it was in
+        and recovers. Not always: a rank frozen while its peer left came back inside DDP's
+        backward, waiting for an allreduce that never completes although its sockets are
+        gone, and it sat there until the job's timeout. A training thread that stays at one
+        call inside torch for LOST_PEER_STALL_S after the cut exits transient instead, with
+        every thread's stack in its error report, so that the worker is restarted."""
+        if sigterm.main_stuck_in_torch(LOST_PEER_STALL_S, lambda: not stop.is_set()):
+            self._on_stuck(f"{self.replica_name}: {reason}, and its training thread stayed at "
+                           f"one call inside torch for {LOST_PEER_STALL_S:g} s after the "
+                           "process group's connections were cut; exiting so that the "
+                           "worker is restarted")
 
     def _end_collectives(self, leaving: bool = False) -> None:
         """Make every collective in flight return with an error, from any thread. A process

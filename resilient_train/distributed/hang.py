@@ -20,6 +20,7 @@ import traceback
 from collections.abc import Callable
 
 from ..errors import EXIT_TRANSIENT, Classification, write_error_report
+from ..frames import current_frames
 
 logger = logging.getLogger(__name__)
 
@@ -28,7 +29,7 @@ def all_stacks() -> str:
     """Every Python thread's stack, the way a person reads them (thread name first)."""
     names = {t.ident: t.name for t in threading.enumerate()}
     parts = []
-    for ident, frame in sys._current_frames().items():
+    for ident, frame in current_frames().items():
         parts.append(f'Thread "{names.get(ident, "?")}" (id {ident}), most recent call last:\n'
                      + "".join(traceback.format_stack(frame)))
     return "\n".join(parts)
