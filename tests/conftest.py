@@ -3,8 +3,10 @@ how the suite is spread over processes (pytest-xdist, set up in pyproject.toml).
 
 from __future__ import annotations
 
+import compileall
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -53,6 +55,26 @@ def gcs_proxy(gcs_server: GcsEmulator) -> Iterator[FaultProxy]:
         yield proxy
     finally:
         proxy.stop()
+
+
+# --- the cost of starting a process --------------------------------------------------------
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Compile the repository's Python files once, before any test starts a process.
+
+    The suite starts about 470 Python processes (launchers, workers, helpers). Where
+    PYTHONDONTWRITEBYTECODE is set (as on this project's machines), none of them writes
+    the bytecode it compiles, so each worker compiled the package again: about 0.18 s of
+    CPU each. Existing bytecode is still read, and a stale file is recompiled by its
+    timestamp, so this changes nothing but the time. (Once, in pytest-xdist's controller.)
+    """
+    if hasattr(config, "workerinput"):
+        return
+    for folder in ("resilient_train", "tests", "examples", "benchmarks"):
+        compileall.compile_dir(ROOT / folder, quiet=1)
 
 
 # --- spreading the suite over processes (pytest-xdist's --dist loadgroup) -----------------
