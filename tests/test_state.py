@@ -187,9 +187,13 @@ CASES: dict[str, Any] = {
     "state_dict with _metadata": _od_with_metadata(),
     "non-str dict keys": {(1, "a"): 1, torch.float32: 2, 3: 4},
     "big int just fits": 2 ** 2030,
+    "a run of small ints (an RNG state)": (3, tuple(range(-300, 400)), None),
+    "a run of mixed scalars": [1, 2.5, "s", None, True, -(2 ** 2030)],
     # rejected
     "empty bytes": {"x": b""},
     "huge int": [2 ** 2100],
+    "huge int at the end of a run": tuple([7] * 600 + [-(2 ** 2100)]),
+    "empty bytes in a run": [1, 2, b""],
     "frozenset": frozenset({1}),
     "enum": {"c": Color.RED},
     "namedtuple": Point(1, 2),
@@ -289,6 +293,24 @@ def test_snapshot_reuses_buffers_and_is_independent() -> None:
     assert torch.equal(s2["w"], live["w"])
     assert snap.nbytes == 4 * 3 * 4 + 4 == tree_nbytes(s2)
     assert snap.copy_seconds > 0
+
+
+def test_snapshot_copies_a_state_dicts_metadata() -> None:
+    live = {"model": torch.nn.BatchNorm1d(3).state_dict(), "rng": (3, tuple(range(625)), None),
+            "runs": [[1, 2], (3, 4)]}
+    live["model"]._metadata["odd"] = {"version": [1]}   # type: ignore[attr-defined]
+    snap = HostSnapshot().snapshot(live)
+    meta = snap["model"]._metadata
+    assert meta == live["model"]._metadata   # type: ignore[attr-defined]
+    assert meta is not live["model"]._metadata   # type: ignore[attr-defined]
+    assert meta[""] is not live["model"]._metadata[""]   # type: ignore[attr-defined]
+    live["model"]._metadata[""]["version"] = 99   # type: ignore[attr-defined]
+    live["model"]._metadata["odd"]["version"].append(2)   # type: ignore[attr-defined]
+    assert meta[""]["version"] != 99 and meta["odd"] == {"version": [1]}
+    assert snap["rng"] == live["rng"] and snap["runs"] == [[1, 2], (3, 4)]
+    assert snap["runs"][0] is not live["runs"][0]   # a list is copied, never shared
+    live["runs"][0].append(5)
+    assert snap["runs"][0] == [1, 2]
 
 
 def test_snapshot_non_contiguous_views_and_conj() -> None:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import copy
 import enum
+import functools
 import logging
 import pickle
 import random
@@ -323,46 +324,84 @@ def weights_only_refusal(exc: BaseException) -> str:
     return reason
 
 
+# Leaves that weights-only loading always accepts, so the walk need not visit them (ints
+# only below LONG4's size; bytes are not here: b"" is refused).
+_PLAIN_LEAVES: frozenset[type] = _SCALAR_TYPES - {int, bytes, bytearray}
+_SHORT_INT_BITS = 8 * (_LONG4_MIN_BYTES - 1)
+
+
+def _accepted(value: Any) -> bool:
+    t = type(value)
+    return t in _PLAIN_LEAVES or (t is int and value.bit_length() < _SHORT_INT_BITS)
+
+
+def _plain_run(seq: Any) -> bool:
+    """Whether every item of a list or tuple is accepted, checked at C speed for the
+    common runs (an RNG state is a tuple of 625 ints)."""
+    kinds = set(map(type, seq))
+    if kinds <= _PLAIN_LEAVES:
+        return True
+    return kinds == {int} and max(map(abs, seq)).bit_length() < _SHORT_INT_BITS
+
+
+# A path in the walk below is built as linked pairs (parent, (kind, key)) and spelled out
+# only for a value that is reported: a save walks every leaf of the state each time.
+_Path = tuple[Any, ...]
+
+
+def _spell(where: str, path: _Path) -> str:
+    parts: list[str] = []
+    while path:
+        path, (kind, key) = path
+        parts.append(f"[{key!r}]" if kind == "[" else f".{key}")
+    return where + "".join(reversed(parts))
+
+
 def _unsafe_leaves(tree: Any, where: str) -> Iterator[tuple[str, str]]:
     # Iterative walk: deep trees must not hit the recursion limit; `seen` stops cycles
     # (pickle's memo handles shared and cyclic references, so they are fine to save).
-    stack: list[tuple[tuple[str, ...], Any]] = [((), tree)]
+    stack: list[tuple[_Path, Any]] = [((), tree)]
     seen: set[int] = set()
+    accepted = _accepted
     while stack:
-        segs, obj = stack.pop()
+        path, obj = stack.pop()
         t = type(obj)
         if t in (dict, OrderedDict, Counter, list, tuple, set, torch.Size) or t in _TENSOR_TYPES:
             if id(obj) in seen:
                 continue
             seen.add(id(obj))
-        children: list[tuple[tuple[str, ...], Any]] = []
+        children: list[tuple[_Path, Any]] = []
         if t in (dict, OrderedDict, Counter):
             for key, value in obj.items():
                 # str/int keys (nearly all of them) skip the walk.
                 kp = None if type(key) in (str, int) else _first_problem(key)
                 if kp is not None:
-                    yield (_fmt_path(where, segs), f"a dict key {_short_repr(key)} of type {kp}")
+                    yield (_spell(where, path), f"a dict key {_short_repr(key)} of type {kp}")
                     continue
-                children.append((segs + (f"[{key!r}]",), value))
+                if not accepted(value):
+                    children.append(((path, ("[", key)), value))
             if t is not dict:
                 # OrderedDict attributes are pickled too (a state_dict's _metadata).
-                children += [(segs + (f".{k}",), v) for k, v in vars(obj).items()]
+                children += [((path, (".", k)), v) for k, v in vars(obj).items()]
         elif t in (list, tuple, torch.Size):
-            children = [(segs + (f"[{i}]",), v) for i, v in enumerate(obj)]
+            if not _plain_run(obj):
+                children = [((path, ("[", i)), v) for i, v in enumerate(obj)
+                            if not accepted(v)]
         elif t is set:
             for member in obj:
                 mp = _first_problem(member)
                 if mp is not None:
-                    yield (_fmt_path(where, segs), f"a set member {_short_repr(member)} of type {mp}")
+                    yield (_spell(where, path), f"a set member {_short_repr(member)} of type {mp}")
         elif t in _TENSOR_TYPES:
             # Python attributes set on a tensor are pickled with it.
-            children = [(segs + (f".{k}",), v) for k, v in vars(obj).items()]
+            if obj.__dict__:
+                children = [((path, (".", k)), v) for k, v in vars(obj).items()]
         elif isinstance(obj, torch.Tensor):
-            yield (_fmt_path(where, segs), _tensor_subclass_problem(obj))
+            yield (_spell(where, path), _tensor_subclass_problem(obj))
         else:
             problem = _scalar_problem(obj)
             if problem is not None:
-                yield (_fmt_path(where, segs), problem)
+                yield (_spell(where, path), problem)
         stack.extend(reversed(children))
 
 
@@ -384,12 +423,41 @@ def _tensor_subclass_problem(t: torch.Tensor) -> str:
 
 
 def _is_dtensor(t: torch.Tensor) -> bool:
+    return _is_dtensor_type(type(t))
+
+
+@functools.cache
+def _is_dtensor_type(t: type) -> bool:
     # By name: importing torch.distributed.tensor just to check would be heavy.
-    return any(c.__name__ == "DTensor" for c in type(t).__mro__)
+    return any(c.__name__ == "DTensor" for c in t.__mro__)
 
 
 # --------------------------------------------------------------------------------------
 # Tree walking
+
+
+# Immutable scalars: copy.deepcopy returns them as they are.
+_ATOMS: frozenset[type] = frozenset({type(None), bool, int, float, complex, str, bytes})
+
+
+def _copy_leaf(obj: Any) -> Any:
+    """copy.deepcopy, without its dispatch for the scalars that fill a state tree."""
+    return obj if type(obj) in _ATOMS else copy.deepcopy(obj)
+
+
+def _copy_attrs(attrs: dict[str, Any]) -> dict[str, Any]:
+    """copy.deepcopy of an OrderedDict's attributes. A state_dict's ``_metadata`` (an
+    OrderedDict of small dicts of scalars, one per submodule) is copied directly: deepcopy's
+    machinery cost more than the rest of a small model's snapshot."""
+    out: dict[str, Any] = {}
+    for name, value in attrs.items():
+        if type(value) is OrderedDict and all(
+                type(m) is dict and all(type(x) in _ATOMS for x in m.values())
+                for m in value.values()):
+            out[name] = OrderedDict((k, dict(m)) for k, m in value.items())
+        else:
+            out[name] = copy.deepcopy(value)
+    return out
 
 
 def _map_tree(
@@ -399,7 +467,8 @@ def _map_tree(
     where: str = "state",
 ) -> Any:
     """Rebuild ``tree``'s containers, mapping tensors and other leaves. Containers kept:
-    dict, OrderedDict (with its attributes), Counter, list, tuple, namedtuple."""
+    dict, OrderedDict (with its attributes), Counter, list, tuple, namedtuple.
+    ``on_leaf`` must return an immutable scalar (an _ATOMS type) unchanged."""
     active: set[int] = set()
 
     def walk(obj: Any, key: tuple[Any, ...]) -> Any:
@@ -414,6 +483,10 @@ def _map_tree(
             raise ValueError(
                 f"{_fmt_path(where, _segments(key))} contains itself; a state tree must not "
                 "have cycles: break the cycle or keep that object out of the checkpoint")
+        if t in (list, tuple) and set(map(type, obj)) <= _ATOMS:
+            # A run of plain scalars (an RNG state is 625 ints): what on_leaf makes of each
+            # is the value itself (every caller's on_leaf returns an atom unchanged).
+            return list(obj) if t is list else obj
         active.add(id(obj))
         try:
             if t in (dict, OrderedDict, Counter):
@@ -421,7 +494,7 @@ def _map_tree(
                 for k, v in obj.items():
                     out[k] = walk(v, key + (k,))
                 if t is not dict:
-                    out.__dict__.update(copy.deepcopy(vars(obj)))
+                    out.__dict__.update(_copy_attrs(vars(obj)))
                 return out
             items = [walk(v, key + (i,)) for i, v in enumerate(obj)]
             if t is list:
@@ -574,7 +647,7 @@ class HostSnapshot:
             return buf
 
         with torch.no_grad():  # once, not per tensor: it costs microseconds each time
-            out = _map_tree(tree, on_tensor, copy.deepcopy, where)
+            out = _map_tree(tree, on_tensor, _copy_leaf, where)
         for device in cuda_devices:
             torch.cuda.synchronize(device)  # non_blocking copies must land before use
         # Paths gone from this tree release their buffers.
