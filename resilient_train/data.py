@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import DataLoader, Dataset, IterableDataset, Sampler
 
-from . import sigterm
+from . import forkwatch, sigterm
 
 __all__ = ["ResumableLoader", "ResumableSampler"]
 
@@ -212,6 +212,12 @@ class ResumableLoader:
         self._own_generator = dataloader_kwargs.get("generator") is None
         if self._own_generator:
             dataloader_kwargs["generator"] = torch.Generator()
+        # Forked workers mark their start, so that one whose fork deadlocked is noticed.
+        self._marks: forkwatch.StartMarks | None = None
+        workers = dataloader_kwargs.get("num_workers", 0)
+        if workers and forkwatch.forks(dataloader_kwargs.get("multiprocessing_context")):
+            self._marks = forkwatch.StartMarks(workers, dataloader_kwargs.get("worker_init_fn"))
+            dataloader_kwargs["worker_init_fn"] = self._marks
         self.loader: DataLoader[Any] = DataLoader(
             cast("Dataset[Any]", dataset), batch_size=batch_size, sampler=self.sampler, drop_last=drop_last,
             **dataloader_kwargs)
@@ -248,13 +254,7 @@ class ResumableLoader:
         s = self.sampler
         restores = self._restores
         left = len(s)  # this rank's samples left, at the position the DataLoader starts from
-        if self._own_generator:
-            generator = self.loader.generator
-            assert generator is not None
-            generator.manual_seed(self._worker_seed())
-        batches = iter(self.loader)
-        if self.loader.num_workers:
-            sigterm.defer_loader_failures()   # torch's SIGCHLD handler exists now
+        batches, watch = self._start()
         steps = self._steps
         while True:
             if steps is not None and steps.step != self._boundary_step:
@@ -268,6 +268,16 @@ class ResumableLoader:
                 batch = next(batches)
             except StopIteration:
                 break
+            except RuntimeError:
+                if watch is None or not watch.killed:
+                    raise
+                # A worker whose fork deadlocked was killed (forkwatch.py): nothing of this
+                # iterator was handed out since, so start again from the same position.
+                sigterm.take_loader_failure()
+                watch.stop()
+                getattr(batches, "_shutdown_workers", lambda: None)()
+                batches, watch = self._start()
+                continue
             if self._restores != restores:
                 raise RuntimeError(
                     "the loader's state was loaded while this iterator was live, so its "
@@ -282,6 +292,25 @@ class ResumableLoader:
         # Not reached when the consumer stops early (GeneratorExit): the epoch goes on.
         s.epoch += 1
         s.consumed = 0
+
+    def _start(self) -> tuple[Iterator[Any], forkwatch.StartWatch | None]:
+        """The DataLoader's iterator from the current position, and the watch over the
+        workers it forked (None when it forked none)."""
+        if self._own_generator:
+            generator = self.loader.generator
+            assert generator is not None
+            generator.manual_seed(self._worker_seed())
+        reused = self.loader.persistent_workers and \
+            getattr(self.loader, "_iterator", None) is not None
+        if self._marks is not None and not reused:
+            self._marks.reset()
+        batches = iter(self.loader)
+        if not self.loader.num_workers:
+            return batches, None
+        sigterm.defer_loader_failures()   # torch's SIGCHLD handler exists now
+        if self._marks is None or reused:
+            return batches, None
+        return batches, forkwatch.StartWatch(batches, self._marks)
 
     def forever(self) -> Iterator[Any]:
         """Batches across epochs without end; lazy: nothing is drawn before the first next()."""

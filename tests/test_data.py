@@ -5,7 +5,12 @@ from __future__ import annotations
 
 import io
 import itertools
+import json
+import os
+import subprocess
+import sys
 from collections import Counter
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -334,3 +339,35 @@ def test_len() -> None:
     tiny = ResumableLoader(IndexDataset(3), batch_size=BATCH, drop_last=True)
     with pytest.raises(ValueError, match="no batch"):
         next(tiny.forever())
+
+
+def test_a_loader_worker_whose_fork_deadlocked_is_replaced_and_no_batch_changes() -> None:
+    """CPython gh-112275: a forked DataLoader worker can deadlock before it runs a line, and
+    the loader would wait for its batch forever. The worker that has not started within
+    the bound is killed and the workers start again from the same position: the batches
+    are exactly those of a loader whose workers all started."""
+    script = Path(__file__).parent / "runtime_workers" / "fork_stall.py"
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                          timeout=120, env={**os.environ, "START_S": "2"}, check=False)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    loader = ResumableLoader(torch.arange(40.0), batch_size=4, seed=3, num_replicas=1, rank=0)
+    expected = [b.tolist() for b in itertools.islice(loader.forever(), 15)]
+    assert got["batches"] == expected
+    # 2 workers, the first stuck: killed, 2 forked again; then 2 for the second epoch.
+    assert got["forks"] == 6, got
+    assert proc.stderr.count("has not started 2 s after it was forked") == 1, proc.stderr
+    assert "gh-112275" in proc.stderr
+
+
+def test_asking_whether_a_loader_forks_leaves_the_start_method_unset() -> None:
+    code = ("import multiprocessing as mp\n"
+            "from resilient_train.forkwatch import forks\n"
+            "assert forks(None) == (mp.get_all_start_methods()[0] == 'fork')\n"
+            "assert mp.get_start_method(allow_none=True) is None\n"
+            "assert not forks('spawn') and forks(mp.get_context('fork'))\n"
+            "mp.set_start_method('spawn')\n"
+            "assert not forks(None)\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=120, check=False)
+    assert proc.returncode == 0, proc.stderr[-2000:]
