@@ -42,6 +42,7 @@ REPO = HERE.parent
 sys.path.insert(0, str(REPO))
 
 import resilient_train as rt  # noqa: E402 - from this checkout, after the path is set
+from meta import stamp  # noqa: E402 - benchmarks/, on the path as the script's folder
 
 
 def synthetic(state_mb: int) -> tuple[torch.nn.Module, torch.optim.Optimizer,
@@ -136,7 +137,7 @@ def main() -> None:
     args = p.parse_args()
     torch.set_num_threads(max(1, (os.cpu_count() or 2)))
     load0 = os.getloadavg()
-    result: dict[str, object] = {"cpus": os.cpu_count(), "loadavg_start": load0}
+    result: dict[str, object] = {**stamp(), "cpus": os.cpu_count(), "loadavg_start": load0}
     for name, build in (("synthetic", lambda: synthetic(args.state_mb)), ("charlm", charlm)):
         blocking = measure(build, False, args.saves)
         overlapped = measure(build, True, args.saves)

@@ -35,6 +35,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from meta import stamp  # benchmarks/, on the path as the script's folder
+
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 sys.path.insert(0, str(REPO))
@@ -134,7 +136,7 @@ def main() -> None:
     r = ring(args.steps)
     c = charlm_step(args.charlm_steps)
     fraction = r["cost_s"] / c["mean_step_s"]
-    result = {"ring": r, "charlm": c, "cost_fraction_of_charlm_step": fraction,
+    result = {**stamp(), "ring": r, "charlm": c, "cost_fraction_of_charlm_step": fraction,
               "target_fraction": 0.01, "loadavg_start": load0, "loadavg_end": os.getloadavg(),
               "cpus": os.cpu_count()}
     print(f"ring, per step: on {r['on_mean_s'] * 1e6:.0f} us, off {r['off_mean_s'] * 1e6:.0f} "
