@@ -156,6 +156,19 @@ def test_barrier_timeout_names_the_missing_rank_and_shutdown_is_clean() -> None:
 
 
 @pytest.mark.slow
+def test_a_barrier_whose_primary_timed_out_first_still_names_the_missing_rank() -> None:
+    # The ranks' clocks are never quite together: the primary (3 s) times out first and
+    # takes the store with it while rank 1 (3.5 s) still asks it; rank 1 must report the
+    # same timeout and missing rank, not a lost connection.
+    results = run_ranks(3, {}, extra={"SKIP_BARRIER_RANK": "2", "SKIP_SLEEP_S": "7",
+                                      "BARRIER_TIMEOUT_S": "3", "BARRIER_TIMEOUT_S_1": "3.5"})
+    for rank in (0, 1):
+        assert results[rank]["error"] == "BarrierTimeoutError", results[rank]
+        assert results[rank]["missing"] == [2]
+        assert "rank 2 (workerpool1-1)" in results[rank]["message"]
+
+
+@pytest.mark.slow
 def test_forms_from_the_platforms_cluster_spec_alone() -> None:
     # On the platform there is no RANK / MASTER_ADDR: only CLUSTER_SPEC
     # (docs/platform.md, "What a replica sees").

@@ -327,6 +327,15 @@ class Rendezvous:
             if self._wait_members(gen, deadline):
                 return gen
 
+    def _barrier_timeout(self, name: str, timeout_s: float,
+                         missing: list[int]) -> BarrierTimeoutError:
+        return BarrierTimeoutError(
+            f"barrier {name!r} timed out after {timeout_s:.0f} s: "
+            f"{len(missing)} of {self.world_size} ranks never reached it: "
+            f"{describe_ranks(missing, self.name_of)}. They are slow, hung or "
+            f"took another code path; their logs (or a hang-watchdog report) tell "
+            f"which.", missing=tuple(missing))
+
     def _missing(self, keys: list[str]) -> list[int]:
         """The ranks whose key (``keys[rank]``) is not in the store yet."""
         return [r for r, key in enumerate(keys) if not self.store.check([key])]
@@ -406,7 +415,17 @@ class Rendezvous:
         # and the primary, leaving on its own timeout, takes the store with it while the
         # others may still be asking it who never came.
         early: list[int] | None = None
-        while not self.store.check(keys):
+        while True:
+            try:
+                if self.store.check(keys):
+                    break
+                current = self.generation()
+            except dist.DistNetworkError:
+                if early is None:
+                    raise
+                # The store went this close to the timeout: the primary timed out first
+                # (its clock ran a little ahead) and took the store with it.
+                raise self._barrier_timeout(name, timeout_s, early) from None
             now = time.monotonic()
             if sigterm.received():
                 raise StopRequestedError(f"SIGTERM while waiting at barrier {name!r}; leaving")
@@ -417,13 +436,7 @@ class Rendezvous:
                     missing = self._missing(keys)
                 except dist.DistNetworkError:
                     missing = early if early is not None else []
-                raise BarrierTimeoutError(
-                    f"barrier {name!r} timed out after {timeout_s:.0f} s: "
-                    f"{len(missing)} of {self.world_size} ranks never reached it: "
-                    f"{describe_ranks(missing, self.name_of)}. They are slow, hung or "
-                    f"took another code path; their logs (or a hang-watchdog report) tell "
-                    f"which.", missing=tuple(missing))
-            current = self.generation()
+                raise self._barrier_timeout(name, timeout_s, missing)
             if current != gen:
                 raise PeerRestartedError(
                     f"generation {gen} ended during barrier {name!r}: "

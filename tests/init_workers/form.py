@@ -2,8 +2,9 @@
 JSON line, shut down.
 
 Environment: RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT (torchrun style), plus
-DELAY_S (sleep before init), JOIN_TIMEOUT_S, and SKIP_BARRIER_RANK (that rank does not
-come to the barrier: it sleeps SKIP_SLEEP_S and exits).
+DELAY_S (sleep before init), JOIN_TIMEOUT_S, BARRIER_TIMEOUT_S (BARRIER_TIMEOUT_S_<rank>
+for one rank), and SKIP_BARRIER_RANK (that rank does not come to the barrier: it sleeps
+SKIP_SLEEP_S and exits).
 """
 
 from __future__ import annotations
@@ -28,7 +29,8 @@ t0 = time.monotonic()
 try:
     group = rt.init_distributed(rt.DistributedOptions(
         join_timeout_s=float(os.environ.get("JOIN_TIMEOUT_S", "60")),
-        barrier_timeout_s=float(os.environ.get("BARRIER_TIMEOUT_S", "60"))))
+        barrier_timeout_s=float(os.environ.get(f"BARRIER_TIMEOUT_S_{rank}",
+                                               os.environ.get("BARRIER_TIMEOUT_S", "60")))))
 except rt.RendezvousTimeoutError as exc:
     emit({"rank": rank, "error": type(exc).__name__, "message": str(exc),
                       "missing": list(exc.missing), "after_s": time.monotonic() - t0})
