@@ -274,7 +274,6 @@ class ResumableLoader:
                 # A worker whose fork deadlocked was killed (forkwatch.py): nothing of this
                 # iterator was handed out since, so start again from the same position.
                 sigterm.take_loader_failure()
-                watch.stop()
                 getattr(batches, "_shutdown_workers", lambda: None)()
                 batches, watch = self._start()
                 continue
@@ -300,17 +299,15 @@ class ResumableLoader:
             generator = self.loader.generator
             assert generator is not None
             generator.manual_seed(self._worker_seed())
-        reused = self.loader.persistent_workers and \
-            getattr(self.loader, "_iterator", None) is not None
-        if self._marks is not None and not reused:
-            self._marks.reset()
+        # Persistent workers forked once, by the first iterator: nothing new to watch.
+        marks = None if self.loader.persistent_workers and \
+            getattr(self.loader, "_iterator", None) is not None else self._marks
+        if marks is not None:
+            marks.reset()
         batches = iter(self.loader)
-        if not self.loader.num_workers:
-            return batches, None
-        sigterm.defer_loader_failures()   # torch's SIGCHLD handler exists now
-        if self._marks is None or reused:
-            return batches, None
-        return batches, forkwatch.StartWatch(batches, self._marks)
+        if self.loader.num_workers:
+            sigterm.defer_loader_failures()   # torch's SIGCHLD handler exists now
+        return batches, None if marks is None else forkwatch.StartWatch(batches, marks)
 
     def forever(self) -> Iterator[Any]:
         """Batches across epochs without end; lazy: nothing is drawn before the first next()."""

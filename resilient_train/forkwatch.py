@@ -1,8 +1,9 @@
 """DataLoader workers that never start: a fork that deadlocked in the child.
 
 CPython 3.11 and older (gh-112275; fixed in 3.12 and in 3.11's late patch releases) can
-deadlock a forked child in its after-fork code, when another thread of the parent held the interpreter's thread-list lock at the
-moment of the fork (a C++ thread entering Python takes it without the GIL). A DataLoader
+deadlock a forked child in its after-fork code, when another thread of the parent held
+the interpreter's thread-list lock at the moment of the fork (a C++ thread entering
+Python takes it without the GIL). A DataLoader
 worker forked then never runs a line: the loader waits for its batch forever, and so does
 the job (seen here: a 2-worker train_charlm.py run sat 600 s in gloo, then for good).
 
@@ -70,7 +71,6 @@ class StartWatch:
 
     def __init__(self, iterator: Any, marks: StartMarks) -> None:
         self.killed: list[int] = []
-        self._stop = threading.Event()
         self._workers = list(getattr(iterator, "_workers", ()))  # torch's, private
         self._marks = marks
         self._deadline = time.monotonic() + FORK_START_S
@@ -78,19 +78,13 @@ class StartWatch:
             threading.Thread(target=self._run, name="rt-loader-start-watch",
                              daemon=True).start()
 
-    def stop(self) -> None:
-        self._stop.set()
-
     def _run(self) -> None:
         # Only the marks until the deadline: is_alive() reaps, and torch's own checks of
         # its workers should see their exits first.
-        while not self._stop.wait(_POLL_S):
-            if all(self._marks.started(i) for i in range(len(self._workers))):
-                return
+        while not all(self._marks.started(i) for i in range(len(self._workers))):
             if time.monotonic() >= self._deadline:
                 break
-        if self._stop.is_set():
-            return
+            time.sleep(_POLL_S)
         for i, worker in enumerate(self._workers):
             if self._marks.started(i) or not worker.is_alive():
                 continue
