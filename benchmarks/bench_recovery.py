@@ -55,7 +55,7 @@ baseline's process also times ``import torch`` alone and that build (information
 **Read once vs every rank reads** (``--skip-read-once`` skips it): 3 processes (gloo)
 save one checkpoint of the same state to a fresh emulator, then restore it, interleaved:
 ``restore_latest`` with peer recovery off (read once: the primary reads the shared file
-and broadcasts it, each rank reads its own small file), every rank calling
+and streams each 64 MiB chunk to the others as it lands, each rank reads its own small file), every rank calling
 ``loader.load_verified`` on the shared file itself (the old path), and rank 0 alone
 doing that (the others wait). Each includes loading the state into the model and
 optimizer. Seconds (the slowest rank), bytes read from storage (all ranks). Target:
@@ -661,7 +661,7 @@ def read_once_worker() -> None:
 
 def raw_broadcasts(tracked: dict[str, Any], repeats: int, rank: int) -> dict[str, float]:
     """What bounds a read once here: rank 0's broadcast of the state's bytes as raw buffers,
-    one per tensor as transfer.broadcast_tree sends them, into memory the receivers touch
+    one per tensor (about the read once's 64 MiB chunks), into memory the receivers touch
     for the first time (as a restore's must be: AdamW's moments do not exist before the
     first step) and into the same buffers again. Medians of ``repeats``, the slowest rank."""
     import torch

@@ -302,9 +302,9 @@ def test_sharded_on_an_object_store(tmp_path: Path, gcs_bucket: Any) -> None:
 
 def test_a_replicated_restore_from_an_object_store_reads_once(
         tmp_path: Path, gcs_bucket: Any) -> None:
-    """3 ranks, the emulator: the primary reads shared.pt and broadcasts it; a flipped
-    byte in step 4's copy is found by the primary, and all three take step 2 instead. No
-    rank but the primary reads a shared file."""
+    """3 ranks, the emulator: the primary reads shared.pt and streams it to the others; a
+    flipped byte in step 4's copy is found by the primary's checksum, and all three take
+    step 2 instead. No rank but the primary reads a shared file."""
     out = tmp_path / "out"
     got = run("corrupt_gcs", 3, f"{gcs_bucket.url}/run", out,
               extra_env={"RT_GCS_ENDPOINT": gcs_bucket.storage_options["endpoint_url"]})
@@ -315,12 +315,14 @@ def test_a_replicated_restore_from_an_object_store_reads_once(
     storage = Storage(f"{gcs_bucket.url}/run", storage_options=gcs_bucket.storage_options)
     files = {i.step: read_manifest(storage, i.name, i.step).files
              for i in scan(storage) if i.committed}
-    # Each rank read its own file of steps 4 and 2; the primary also step 2's shared.pt
-    # (step 4's failed its checksum, and the primary went no further in step 4).
+    # Each rank read its own file of steps 4 and 2 (every rank's own file verifies before
+    # the shared one is streamed); the primary also both shared.pt files, in full (step 4's
+    # failed its checksum at the end).
     for rank, r in enumerate(got):
-        own = sum(files[s][f"rank-{rank:05d}.pt"].size for s in ((2,) if rank == 0 else (2, 4)))
+        own = sum(files[s][f"rank-{rank:05d}.pt"].size for s in (2, 4))
         assert r["restored"]["bytes_read"]["persistent"] == own + (
-            files[2]["shared.pt"].size if rank == 0 else 0), (rank, r)
+            files[2]["shared.pt"].size + files[4]["shared.pt"].size if rank == 0 else 0), \
+            (rank, r)
     assert "shared.pt: checksum mismatch" in (out / "corrupt_gcs.rank0.log").read_text()
 
 

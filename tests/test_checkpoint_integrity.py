@@ -31,6 +31,7 @@ import torch
 from gcs import FaultProxy
 
 from resilient_train import cli
+from resilient_train.checkpoint import loader
 from resilient_train.checkpoint import manager as manager_mod
 from resilient_train.checkpoint.directory import StepInfo, scan, verify_step
 from resilient_train.checkpoint.manager import CheckpointManager, CheckpointOptions
@@ -453,6 +454,40 @@ def test_a_pickle_that_would_run_code_is_refused_with_the_reason_not_the_advice(
         for advice in ("weights_only` set to `False`", "weights_only=False", "likely succeed",
                        "arbitrary code", "trusted source", "safe_globals"):
             assert advice not in text, text
+
+
+@pytest.mark.parametrize("zero_copy", [True, False])
+def test_a_streamed_files_bytes_load_as_views_and_code_is_refused_the_same_way(
+        tmp_path: Any, monkeypatch: pytest.MonkeyPatch, zero_copy: bool) -> None:
+    """load_buffer (what a read-once restore loads on every rank): the tensors come out
+    equal and, on this torch, as views of the received bytes (no copy); a file that would
+    run code is refused as load_verified refuses it. Without torch's zero-copy loader it
+    copies, with the same result."""
+    assert loader._ZERO_COPY   # this torch has it: a torch that drops it is noticed here
+    monkeypatch.setattr(loader, "_ZERO_COPY", zero_copy)
+    want = {"model": {"w": torch.randn(64, 32), "b": torch.arange(5, dtype=torch.int16)},
+            "optimizer": {"state": {0: {"step": torch.tensor(3.0)}}}, "n": 7}
+    raw = io.BytesIO()
+    torch.save(want, raw)
+    buf = torch.frombuffer(bytearray(raw.getvalue()), dtype=torch.uint8)
+    got = loader.load_buffer(buf, "gs://b/step/shared.pt")
+    assert got["n"] == 7
+    assert torch.equal(got["model"]["w"], want["model"]["w"])
+    assert torch.equal(got["model"]["b"], want["model"]["b"])
+    assert torch.equal(got["optimizer"]["state"][0]["step"], want["optimizer"]["state"][0]["step"])
+    inside = buf.data_ptr() <= got["model"]["w"].data_ptr() < buf.data_ptr() + buf.numel()
+    assert inside == zero_copy
+    ran = tmp_path / "the-payload-ran"
+    evil = io.BytesIO()
+    torch.save({"model": _RunsCode(str(ran))}, evil)
+    with pytest.raises(CorruptCheckpointError) as err:
+        loader.load_buffer(torch.frombuffer(bytearray(evil.getvalue()), dtype=torch.uint8),
+                           "gs://b/step/shared.pt")
+    assert not ran.exists()
+    text = str(err.value)
+    assert text.startswith("gs://b/step/shared.pt: unreadable as a weights-only torch file")
+    assert "GLOBAL posix.mkdir whose module posix is blocked" in text, text
+    assert "weights_only=False" not in text and "weights_only` set to `False`" not in text
 
 
 # --- retention and leftovers -------------------------------------------------------------

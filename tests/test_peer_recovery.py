@@ -167,8 +167,11 @@ def test_a_sigterm_while_an_early_restore_hangs_leaves_after_the_stall_time(
 # --- moving state between processes -----------------------------------------------------
 
 
-def test_a_state_tree_moves_point_to_point_and_by_broadcast_between_real_processes(
+def test_a_state_tree_moves_point_to_point_and_is_read_once_between_real_processes(
         tmp_path: Path) -> None:
+    """send_tree / recv_tree, and readonce.read_once: a file streamed by rank 0 in chunks
+    lands whole on every rank as views of one buffer; a truncated file and a read that
+    fails half-way raise the same error on every rank, and no rank waits for ever."""
     env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()),
                WORLD_SIZE="3", RESULT_DIR=str(tmp_path), GLOO_SOCKET_IFNAME="lo")
     procs = [subprocess.Popen([sys.executable, str(HERE / "dist_workers" / "transfer_worker.py")],
@@ -183,19 +186,30 @@ def test_a_state_tree_moves_point_to_point_and_by_broadcast_between_real_process
         sys.path.pop(0)
     want = tree()
     nbytes = 300 * 1000 * 4 + 7 * 2 + 15 * 4 + 9 + 6 * 8 + 4   # tied tensors travel once
+    got = [torch.load(tmp_path / f"rank{rank}.pt", weights_only=True) for rank in range(3)]
     for rank in range(3):
-        got = torch.load(tmp_path / f"rank{rank}.pt", weights_only=True)
-        for key in ("p2p", "bcast") if rank == 2 else ("bcast",):
-            tree_ = got[key]
+        whole = got[rank]["whole"]
+        assert "error" not in whole, (rank, whole)
+        for key in ("p2p", "whole") if rank == 2 else ("whole",):
+            tree_ = got[rank][key] if key == "p2p" else whole["tree"]
             for name, t in want["model"].items():
                 assert tree_["model"][name].dtype == t.dtype, (rank, key, name)
                 assert torch.equal(tree_["model"][name], t), (rank, key, name)
-            assert tree_["model"]["tied_a"].data_ptr() == tree_["model"]["tied_b"].data_ptr()
-            assert torch.equal(tree_["optimizer"]["state"][0]["step"], torch.tensor(12.0))
             assert tree_["optimizer"]["param_groups"] == want["optimizer"]["param_groups"]
+            assert torch.equal(tree_["optimizer"]["state"][0]["step"], torch.tensor(12.0))
             assert tree_["plain"] == want["plain"]
-        assert got["bcast_bytes"] == nbytes
-    assert torch.load(tmp_path / "rank0.pt")["sent_bytes"] == nbytes
+        assert whole["span"] <= got[rank]["file_bytes"]   # views of one buffer: no copy
+        assert whole["read"] == (got[0]["file_bytes"] if rank == 0 else 0)
+        short, drops = got[rank]["short"], got[rank]["drops"]
+        assert short["error"] == "CorruptCheckpointError", (rank, short)
+        assert "short.pt: " in short["message"] and "the manifest says" in short["message"]
+        assert drops["error"] == ("ConnectionResetError" if rank == 0 else "StorageError")
+        assert "the connection dropped half-way" in drops["message"], (rank, drops)
+        if rank:
+            assert "read by rank 0" in drops["message"]
+    assert got[1]["short"]["message"] == got[0]["short"]["message"]
+    assert 0 < got[0]["drops"]["read"] < got[0]["file_bytes"]
+    assert got[2]["p2p_bytes"] == got[0]["sent_bytes"] == nbytes
 
 
 def test_a_restarted_ranks_state_arrives_before_it_has_built_its_model(
@@ -285,7 +299,9 @@ def test_a_rank_killed_in_the_middle_of_a_peer_transfer_leaves_nothing_torn(
                                                  by_generation[g]} == {"peer"}]
     stored = [by_generation[g] for g in done if {e["source"] for e in
                                                  by_generation[g]} == {"persistent"}]
-    assert peers_ and peers_[0][0]["step"] in (30, 31), events
+    # The kill fires once the launcher reads step 30 from the telemetry: on loaded cores the
+    # ranks may have finished one or two more steps before the SIGKILL lands.
+    assert peers_ and 30 <= peers_[0][0]["step"] <= 32, events
     assert any(e["from_rank"] is not None and "workerpool1-0.restart-2" in e["life"]
                for e in peers_[0]), peers_[0]     # the second new process got it
     assert len(stored) == 1 and stored[0][0]["step"] == 50, events

@@ -56,7 +56,14 @@ from .directory import (
 )
 from .emergency import CommitGate, Grace, Outcome, SaveAbandoned, remaining
 from .loader import load_verified
-from .manifest import MARKER, CheckpointError, CorruptCheckpointError, FileEntry, Manifest
+from .manifest import (
+    MARKER,
+    CheckpointError,
+    CorruptCheckpointError,
+    FileEntry,
+    Manifest,
+    manifest_entry,
+)
 from .nodelocal import LocalTier, NodeLocal, PersistentCadence
 from .early import Early
 from .peers import PeerMemory, PeerRing, process_memory, tensor_versions
@@ -69,6 +76,7 @@ from .policy import (
     resolve_mtbf,
     with_ceiling,
 )
+from .readonce import read_once
 from .recovery_plan import Plan, Recovered, carry_out, loads_rank_state, plan
 from .retention import RetentionPolicy
 from .ringlink import RingLink, local_address, new_token
@@ -85,7 +93,6 @@ from .state import (
     tree_on_host,
 )
 from .storage import RetryOptions, Storage, format_bytes, free_bytes, is_no_space
-from .transfer import broadcast_tree
 from .writer import RankFailure, StepWriter, WriterThread
 
 log = logging.getLogger(__name__)
@@ -848,7 +855,7 @@ class CheckpointManager:
         its step, or None when there is none at all. After an in-process recovery that is
         the survivors' memory (peers.py: at most the step in flight lost, no storage read);
         otherwise the node-local tier's newest step that every rank can get, else the
-        newest committed step that verifies, read once and broadcast. ``last_restore``
+        newest committed step that verifies, read once and streamed to every rank. ``last_restore``
         says which, with the bytes read per tier.
         A corrupt latest falls back to the previous one with a warning; if checkpoints
         exist but none verifies, raise instead of silently starting from scratch."""
@@ -989,7 +996,7 @@ class CheckpointManager:
 
     def _fetch_from_storage(self, reason: str) -> _FromStorage:
         """The newest committed step that verifies on every rank: each rank's own file, and
-        the replicated state read once, by the primary, and broadcast."""
+        the replicated state read once, by the primary, and streamed to the others."""
         self._read_bytes = 0
         infos = scan(self.storage, with_manifest=False) if self.is_primary else []
         names: list[tuple[int, str]] = self.coord.broadcast(
@@ -1006,11 +1013,15 @@ class CheckpointManager:
             # Every rank must restore the same step: one rank's bad file skips it for all.
             if self.coord.allreduce_max([0 if loaded else 1])[0] == 0 and loaded is not None:
                 manifest, shared, mine = loaded
-                shared = self._share(shared)
-                if mine is None:
-                    mine = self._values_of_rank_0(manifest)
-                return _FromStorage(self._storage_record(step, reason), manifest, name,
-                                    shared, mine)
+                try:
+                    shared = self._share(name, manifest, shared)
+                except CorruptCheckpointError as exc:   # raised alike on every rank
+                    problems.append(str(exc))
+                else:
+                    if mine is None:
+                        mine = self._values_of_rank_0(manifest)
+                    return _FromStorage(self._storage_record(step, reason), manifest, name,
+                                        shared, mine)
             self.known.bad.add(name)
             log.warning("checkpoint %s does not verify%s; trying the previous one",
                         self.storage.url_of(name), f": {problems[-1]}" if problems else
@@ -1089,10 +1100,10 @@ class CheckpointManager:
         problems = manifest_problems(manifest, present, self.storage, name)
         if problems:
             raise CorruptCheckpointError(f"{where}: " + "; ".join(problems))
-        # Read once: the replicated state is the same for every rank, so the primary reads
-        # it and broadcasts it (_share) instead of every rank reading the same bytes.
+        # Read once: the replicated state is the same for every rank, so in a group the
+        # primary streams it to the others (_share) once every rank's own file verified.
         shared: dict[str, Any] = {}
-        if self._reads_shared():
+        if self._group() is None:
             shared = load_verified(self.storage, name, SHARED_FILE, manifest)
             self._read_bytes += manifest.files[SHARED_FILE].size
         if manifest.layout == SHARDED_LAYOUT:  # deep-check the DCP files this rank reads
@@ -1104,15 +1115,24 @@ class CheckpointManager:
             self._read_bytes += manifest.files[own].size
         return manifest, shared, mine
 
-    def _reads_shared(self) -> bool:
-        return self.is_primary or getattr(self.coord, "main_group", None) is None
+    def _group(self) -> Any:
+        """The process group that a read-once restore streams over; None: read alone."""
+        return None if self.world_size == 1 else getattr(self.coord, "main_group", None)
 
-    def _share(self, shared: dict[str, Any]) -> dict[str, Any]:
-        """The primary's replicated state on every rank (read once, broadcast)."""
-        group = getattr(self.coord, "main_group", None)
-        if self.world_size == 1 or group is None:
+    def _share(self, name: str, manifest: Manifest, shared: dict[str, Any]
+               ) -> dict[str, Any]:
+        """The replicated state on every rank: read by the primary alone and streamed to
+        the others as it is read (readonce.py); ``shared`` where this rank read it alone."""
+        group = self._group()
+        if group is None:
             return shared
-        return broadcast_tree(shared if self.is_primary else None, 0, self.rank, group).tree
+        rel = f"{name}/{SHARED_FILE}"
+        entry = manifest_entry(manifest, SHARED_FILE, self.storage.url_of(rel))
+        def counted(n: int) -> None:
+            self._read_bytes += n
+
+        return read_once(self.storage, rel, entry, src=0, rank=self.rank, group=group,
+                         counted=counted)
 
     def _apply(self, manifest: Manifest, shared: dict[str, Any], mine: dict[str, Any],
                strict: bool) -> None:

@@ -1,4 +1,4 @@
-"""Move a state tree between the ranks of a process group: to one rank, or to all.
+"""Move a state tree from one rank of a process group to another.
 
 A tree (what :func:`~.state.collect` returns: dicts, lists, tensors, plain values) travels
 as a small *skeleton* (the tree with every tensor replaced by an empty one of its dtype,
@@ -151,27 +151,3 @@ def recv_tree(src: int, group: Any) -> Moved:
         dist.recv(data, src, group=group)
         _unpack(tensors, message, data)
     return Moved(tree, _nbytes(tensors))
-
-
-def broadcast_tree(tree: Any, src: int, rank: int, group: Any) -> Moved:
-    """Rank ``src``'s ``tree`` on every rank of ``group`` (the others pass None)."""
-    import torch.distributed as dist
-
-    if rank == src:
-        header, tensors = _split(tree)
-        size = torch.tensor([len(header)], dtype=torch.int64)
-    else:
-        size = torch.zeros(1, dtype=torch.int64)
-    dist.broadcast(size, src, group=group)
-    raw = (torch.frombuffer(bytearray(header), dtype=torch.uint8) if rank == src
-           else torch.empty(int(size.item()), dtype=torch.uint8))
-    dist.broadcast(raw, src, group=group)
-    if rank != src:
-        tree, tensors = _join(raw.numpy().tobytes())
-    for message in _messages(tensors):
-        data = _payload(tensors, message) if rank == src else _recv_target(tensors, message)
-        dist.broadcast(data, src, group=group)
-        if rank != src:
-            _unpack(tensors, message, data)
-    return Moved(tree, _nbytes(tensors))
-

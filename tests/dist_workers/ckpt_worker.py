@@ -215,8 +215,9 @@ def corrupt(ckpt: str, coord: Coordinator) -> dict[str, Any]:
 
 
 def corrupt_gcs(ckpt: str, coord: Coordinator) -> dict[str, Any]:
-    """On an object store (the emulator) the primary alone reads the replicated file: a
-    flipped byte in step 4's shared.pt is found by it, and every rank takes step 2."""
+    """On an object store (the emulator) the primary alone reads the replicated file and
+    streams it to the others: a flipped byte in step 4's shared.pt fails its checksum at
+    the stream's end, and every rank takes step 2."""
     return save_damage_restore(ckpt, coord, "shared.pt", {
         "endpoint_url": os.environ["RT_GCS_ENDPOINT"], "token": "anon"})
 

@@ -1,11 +1,17 @@
 """Three ranks move one state tree around: rank 0 sends it to rank 2 point to point, then
-broadcasts it to everyone. Each rank writes what it received to ``$RESULT_DIR/rankR.pt``."""
+streams a file of it to everyone (readonce.py, in chunks much smaller than the file), then
+streams a truncated copy and a copy whose read fails half-way. Each rank writes what it
+received and what it raised to ``$RESULT_DIR/rankR.pt``."""
+import io
 import os
 
 import torch
 import torch.distributed as dist
 
-from resilient_train.checkpoint.transfer import broadcast_tree, recv_tree, send_tree
+from resilient_train.checkpoint import readonce
+from resilient_train.checkpoint.manifest import Crc32c, FileEntry
+from resilient_train.checkpoint.storage import Storage
+from resilient_train.checkpoint.transfer import recv_tree, send_tree
 
 
 def tree() -> dict:
@@ -24,6 +30,40 @@ def tree() -> dict:
     }
 
 
+def entry_of(data: bytes) -> FileEntry:
+    crc = Crc32c()
+    crc.update(data)
+    return FileEntry(crc.size, crc.hexdigest())
+
+
+def streamed(storage: Storage, rel: str, entry: FileEntry, rank: int) -> dict:
+    """What read_once gave this rank: the tree, or the error's type and message."""
+    read: list[int] = []
+    try:
+        got = readonce.read_once(storage, rel, entry, src=0, rank=rank, group=None,
+                                 counted=read.append)
+        ts = [got["model"]["w"], got["model"]["b"], got["optimizer"]["state"][0]["step"]]
+        # Views of the received buffer: all of the data inside one file-sized span.
+        span = max(t.data_ptr() + t.nbytes for t in ts) - min(t.data_ptr() for t in ts)
+        return {"tree": got, "read": sum(read), "span": span}
+    except Exception as exc:
+        return {"error": type(exc).__name__, "message": str(exc), "read": sum(read)}
+
+
+class FailsHalfWay:
+    """Rank 0's reader of the third file: the read fails after 0.5 MB."""
+
+    def __init__(self, f: io.BufferedReader) -> None:
+        self.f, self.at = f, 0
+
+    def readinto(self, view: memoryview) -> int:
+        if self.at > 500_000:
+            raise ConnectionResetError("the connection dropped half-way (injected)")
+        n = self.f.readinto(view)
+        self.at += n
+        return n
+
+
 def main() -> None:
     rank = int(os.environ["RANK"])
     dist.init_process_group("gloo", rank=rank, world_size=3)
@@ -33,8 +73,35 @@ def main() -> None:
     elif rank == 2:
         moved = recv_tree(0, None)
         out["p2p"], out["p2p_bytes"] = moved.tree, moved.nbytes
-    moved = broadcast_tree(tree() if rank == 0 else None, 0, rank, None)
-    out["bcast"], out["bcast_bytes"] = moved.tree, moved.nbytes
+    readonce.CHUNK_BYTES = 64 << 10   # some 20 chunks of a 1.2 MB file
+    storage = Storage(os.environ["RESULT_DIR"])
+    buf = io.BytesIO()
+    torch.save(tree(), buf)
+    data = buf.getvalue()
+    entry = entry_of(data)
+    if rank == 0:
+        storage.write_bytes("whole.pt", data)
+        storage.write_bytes("short.pt", data[:-1000])   # truncated, as the manifest won't say
+        storage.write_bytes("drops.pt", data)
+    dist.barrier()
+    out["whole"] = streamed(storage, "whole.pt", entry, rank)
+    out["short"] = streamed(storage, "short.pt", entry, rank)
+    if rank == 0:
+        opened = storage.open_read
+
+        def failing(rel: str):  # the third file's reads fail half-way on the reading rank
+            class Ctx:
+                def __enter__(self):
+                    self.cm = opened(rel)
+                    return FailsHalfWay(self.cm.__enter__())
+
+                def __exit__(self, *exc):
+                    return self.cm.__exit__(*exc)
+            return Ctx()
+
+        storage.open_read = failing   # type: ignore[method-assign]
+    out["drops"] = streamed(storage, "drops.pt", entry, rank)
+    out["file_bytes"] = len(data)
     torch.save(out, os.path.join(os.environ["RESULT_DIR"], f"rank{rank}.pt"))
     dist.destroy_process_group()
 
