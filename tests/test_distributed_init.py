@@ -32,7 +32,7 @@ from resilient_train.distributed import (
     RendezvousTimeoutError,
     is_peer_failure,
 )
-from resilient_train.distributed.rendezvous import Rendezvous
+from resilient_train.distributed.rendezvous import Rendezvous, connect_retry_cap_s
 from resilient_train.distributed.resolve import resolve
 from resilient_train.ports import free_port
 
@@ -126,6 +126,18 @@ def test_worker_that_never_comes_is_named() -> None:
         assert r["missing"] == [2]
         assert "rank 2 (workerpool1-1)" in r["message"]
         assert "1 of 3 ranks never arrived" in r["message"]
+
+
+def test_the_wait_between_attempts_to_reach_the_store_grows_with_the_job() -> None:
+    """A small job retries within 50 ms of the primary's store coming back; a larger one
+    waits longer, so that up to 500 ranks the primary sees at most about 2000 attempts a
+    second (full jitter: the mean wait is half the cap); beyond, 0.5 s as for every size
+    before."""
+    assert connect_retry_cap_s(1) == connect_retry_cap_s(3) == connect_retry_cap_s(50) == 0.05
+    assert connect_retry_cap_s(200) == pytest.approx(0.2)
+    assert connect_retry_cap_s(500) == connect_retry_cap_s(100_000) == 0.5
+    for world in (2, 10, 60, 120, 499, 500):
+        assert world * 2 / connect_retry_cap_s(world) <= 2000
 
 
 @pytest.mark.slow
