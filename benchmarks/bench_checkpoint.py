@@ -42,13 +42,11 @@ os.environ.setdefault("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")
 import argparse
 import ctypes
 import ctypes.util
-import datetime as dt
 import gc
 import io
 import json
 import logging
 import mmap
-import platform
 import shutil
 import statistics
 import sys
@@ -60,6 +58,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from meta import stamp  # benchmarks/, on the path as the script's folder
 
 from resilient_train.checkpoint.manager import CheckpointManager, CheckpointOptions
 from resilient_train.checkpoint.retention import RetentionPolicy
@@ -604,9 +603,7 @@ def main() -> int:
 
     out = {
         "benchmark": "checkpoint",
-        "time": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
-        "machine": {"python": platform.python_version(), "torch": torch.__version__,
-                    "cpus": os.cpu_count(), "platform": platform.platform()},
+        **stamp(),
         "config": {"size_gb": args.size_gb, "gcs_size_gb": None if args.skip_gcs
                    else args.gcs_size_gb, "repeats": args.repeats, "tensors": N_TENSORS,
                    "statistic": "median"},

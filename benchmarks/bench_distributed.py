@@ -44,7 +44,6 @@ import argparse
 import datetime as dt
 import json
 import os
-import platform
 import shutil
 import signal
 import socket
@@ -56,6 +55,8 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+
+from meta import stamp  # benchmarks/, on the path as the script's folder
 
 REPO = Path(__file__).resolve().parents[1]
 WORKER = REPO / "benchmarks" / "dist_worker.py"
@@ -525,15 +526,11 @@ def main() -> int:
     print_table(form, rec)
     print(f"\ntotal {elapsed:.0f} s; load average at start {load_start}, at end {load()}")
 
-    import torch
 
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({
         "benchmark": "distributed",
-        "time": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
-        "machine": {"python": platform.python_version(), "torch": torch.__version__,
-                    "cpus": os.cpu_count(), "platform": platform.platform(),
-                    "load_average_start": load_start, "load_average_end": load()},
+        **stamp(load_average_start=load_start, load_average_end=load()),
         "elapsed_s": round(elapsed, 1),
         "form": form,
         "recovery": rec,

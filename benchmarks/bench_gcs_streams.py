@@ -62,11 +62,9 @@ os.environ.setdefault("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")
 
 import argparse
 import contextlib
-import datetime as dt
 import gc
 import json
 import logging
-import platform
 import statistics
 import sys
 import tempfile
@@ -76,6 +74,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from meta import stamp  # benchmarks/, on the path as the script's folder
 
 from resilient_train.checkpoint import storage as storage_mod
 from resilient_train.checkpoint.manager import CheckpointManager, CheckpointOptions
@@ -317,9 +316,7 @@ def main() -> int:
               "MiB/s are deflated; the per-round ratios are the more robust numbers")
     out = {
         "benchmark": "gcs_streams",
-        "time": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
-        "machine": {"python": platform.python_version(), "torch": torch.__version__,
-                    "cpus": os.cpu_count(), "platform": platform.platform()},
+        **stamp(),
         "config": {"size_bytes": nbytes, "streams": streams_list,
                    "part_bytes": [p << 20 for p in parts_list], "repeats": args.repeats,
                    "tensors": N_TENSORS, "statistic": "median",

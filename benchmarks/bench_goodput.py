@@ -37,11 +37,9 @@ benchmarks/results/goodput.json; exits 1 when any job failed (the JSON says whic
 from __future__ import annotations
 
 import argparse
-import datetime as dt
 import json
 import math
 import os
-import platform
 import re
 import shutil
 import subprocess
@@ -50,6 +48,8 @@ import tempfile
 import time
 from pathlib import Path
 from typing import Any
+
+from meta import stamp  # benchmarks/, on the path as the script's folder
 
 REPO = Path(__file__).resolve().parents[1]
 WORKER = REPO / "benchmarks" / "goodput_worker.py"
@@ -321,15 +321,11 @@ def main() -> int:
             shutil.rmtree(root, ignore_errors=True)
     elapsed = time.monotonic() - t_start
 
-    import torch
 
     result = {
         "benchmark": "goodput",
-        "time": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
-        "machine": {"python": platform.python_version(), "torch": torch.__version__,
-                    "cpus": os.cpu_count(), "platform": platform.platform(),
-                    "load_average_start": [round(x, 2) for x in load_start],
-                    "load_average_end": [round(x, 2) for x in os.getloadavg()]},
+        **stamp(load_average_start=[round(x, 2) for x in load_start],
+                load_average_end=[round(x, 2) for x in os.getloadavg()]),
         "config": {"quick": args.quick, "workers": args.workers, "steps": args.steps,
                    "step_time_s": args.step_time, "state_mb": args.state_mb,
                    "kills": args.kills, "seed": args.seed, "auto_floor_s": args.auto_floor,

@@ -82,10 +82,8 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import datetime as dt
 import json
 import os
-import platform
 import shlex
 import shutil
 import statistics
@@ -102,7 +100,8 @@ HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(HERE))
-import bench_soak  # the job runners and the per-kill measurement
+import bench_soak  # noqa: E402 - the job runners and the per-kill measurement
+from meta import stamp  # noqa: E402 - benchmarks/, on the path as the script's folder
 
 # Before anything imports gcsfs (docs/libraries.md, "gcsfs against a local GCS emulator").
 os.environ.setdefault("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")
@@ -1076,18 +1075,13 @@ def main() -> int:
           f"emulator peak RSS {watch.emulator_rss / 2**30:.1f} GiB; "
           f"{time.monotonic() - t0:.0f} s in all")
 
-    import torch
 
     result = {
         "benchmark": "recovery",
-        "time": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+        **stamp(load_average_start=load_start, load_average_end=load_end,
+                mem_available_start_bytes=avail_start, mem_available_least_bytes=watch.least,
+                emulator_peak_rss_bytes=watch.emulator_rss),
         "commit": git_commit(),
-        "machine": {"python": platform.python_version(), "torch": torch.__version__,
-                    "cpus": os.cpu_count(), "platform": platform.platform(),
-                    "load_average_start": load_start, "load_average_end": load_end,
-                    "mem_available_start_bytes": avail_start,
-                    "mem_available_least_bytes": watch.least,
-                    "emulator_peak_rss_bytes": watch.emulator_rss},
         "config": {"quick": q, "workers": WORKERS, "params_m": args.params_m,
                    "state_bytes_per_rank": int(args.params_m * 1e6) * 4 * 3,
                    "steps": args.steps, "save_every": args.save_every,

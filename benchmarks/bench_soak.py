@@ -69,7 +69,6 @@ import datetime as dt
 import json
 import math
 import os
-import platform
 import random
 import re
 import shutil
@@ -84,6 +83,8 @@ from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+from meta import stamp  # benchmarks/, on the path as the script's folder  # noqa: E402
+
 from resilient_train.launcher.chaos import ChaosSpecError, FaultKind, parse_chaos  # noqa: E402
 from resilient_train.launcher.policy import DEFAULT_BUDGETS  # noqa: E402
 from resilient_train.launcher.record import telemetry_prefixes  # noqa: E402
@@ -636,14 +637,10 @@ def main() -> int:
     load_end = [round(x, 2) for x in os.getloadavg()]
     print(f"\njob {wall:.0f} s; load average at start {load_start}, at end {load_end}")
 
-    import torch
 
     result = {
         "benchmark": "soak",
-        "time": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
-        "machine": {"python": platform.python_version(), "torch": torch.__version__,
-                    "cpus": os.cpu_count(), "platform": platform.platform(),
-                    "load_average_start": load_start, "load_average_end": load_end},
+        **stamp(load_average_start=load_start, load_average_end=load_end),
         "config": {"workers": args.workers, "kills": planned, "seed": args.seed,
                    "steps": steps, "step_time_s": args.step_time,
                    "save_every": args.save_every, "chaos": spec,

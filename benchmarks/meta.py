@@ -9,12 +9,13 @@ from importlib import metadata
 from typing import Any
 
 
-def stamp() -> dict[str, Any]:
-    """``time`` (UTC, ISO) and ``machine`` (Python, torch, cores, platform)."""
+def stamp(**machine: Any) -> dict[str, Any]:
+    """``time`` (UTC, ISO) and ``machine`` (Python, torch, cores, platform, and what the
+    benchmark adds: its load averages, memory)."""
     try:
         torch_version: str | None = metadata.version("torch")
     except metadata.PackageNotFoundError:
         torch_version = None
     return {"time": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
             "machine": {"python": platform.python_version(), "torch": torch_version,
-                        "cpus": os.cpu_count(), "platform": platform.platform()}}
+                        "cpus": os.cpu_count(), "platform": platform.platform(), **machine}}
