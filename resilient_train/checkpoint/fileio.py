@@ -16,6 +16,9 @@ that file to buffered ``pwrite`` without failing the save.
 ``PartBuffers`` is the memory bound of a parallel upload to an object store
 (storage_fsspec.py): a fixed number of equal buffers that the writer fills and the upload
 threads give back, so a file of any size costs at most ``count * size`` bytes of memory.
+
+``SeekableReader`` is the seeking half of a raw reader over bytes that are not a local file
+(an object's ranged reads, a received buffer); its subclasses read.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import fcntl
+import io
 import logging
 import mmap
 import os
@@ -313,3 +317,29 @@ def _pwrite_all(fd: int, mv: memoryview, offset: int) -> None:
             raise OSError(errno.EIO, f"pwrite wrote {n} bytes")
         mv = mv[n:]
         offset += n
+
+
+class SeekableReader(io.RawIOBase):
+    """A raw reader over ``size`` bytes that seeks anywhere in them; a subclass implements
+    ``readinto`` from ``self.pos`` (and moves it)."""
+
+    def __init__(self, size: int) -> None:
+        super().__init__()
+        self.size = size
+        self.pos = 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self.pos
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self.pos, io.SEEK_END: self.size}[whence]
+        if base + offset < 0:
+            raise ValueError(f"negative seek position {base + offset}")
+        self.pos = base + offset
+        return self.pos

@@ -17,6 +17,7 @@ from typing import IO, Any, cast
 import torch
 import torch.serialization
 
+from .fileio import SeekableReader
 from .manifest import (
     CorruptCheckpointError,
     Crc32c,
@@ -84,34 +85,19 @@ def load_buffer(buf: torch.Tensor, where: str) -> dict[str, Any]:
     return _weights_only(load, where)
 
 
-class _ViewReader(io.RawIOBase):
+class _ViewReader(SeekableReader):
     """A seekable reader over a memoryview: the zip reader's small reads (directory, record
     headers, the pickle) copy what they read, the tensors' data is never read."""
 
     def __init__(self, view: memoryview) -> None:
-        super().__init__()
+        super().__init__(len(view))
         self._view = view
-        self._pos = 0
-
-    def readable(self) -> bool:
-        return True
-
-    def seekable(self) -> bool:
-        return True
-
-    def tell(self) -> int:
-        return self._pos
-
-    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
-        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: len(self._view)}[whence]
-        self._pos = max(0, base + offset)
-        return self._pos
 
     def readinto(self, buffer: Any) -> int:
         out = memoryview(buffer).cast("B")
-        n = max(0, min(len(out), len(self._view) - self._pos))
-        out[:n] = self._view[self._pos:self._pos + n]
-        self._pos += n
+        n = max(0, min(len(out), self.size - self.pos))
+        out[:n] = self._view[self.pos:self.pos + n]
+        self.pos += n
         return n
 
 

@@ -59,7 +59,7 @@ import fsspec.asyn
 import fsspec.core
 from fsspec.exceptions import FSTimeoutError
 
-from .fileio import PartBuffers
+from .fileio import PartBuffers, SeekableReader
 from .manifest import Crc32c
 from .storage import OBJECT_STORE, TMP_FILE_PREFIX, Budget, Storage
 from .storage_errors import ShortReadError, StorageError, describe, is_transient
@@ -370,38 +370,20 @@ class FsspecStorage(Storage):
                     url=self.url_of(rel), operation="delete")
 
 
-class _RangeReader(io.RawIOBase):
+class _RangeReader(SeekableReader):
     """Seekable raw reader over an object: each read is one ranged GET, retried."""
 
     def __init__(self, storage: FsspecStorage, rel: str, size: int) -> None:
-        super().__init__()
+        super().__init__(size)
         self._storage = storage
         self._rel = rel
-        self._size = size
-        self._pos = 0
-
-    def readable(self) -> bool:
-        return True
-
-    def seekable(self) -> bool:
-        return True
-
-    def tell(self) -> int:
-        return self._pos
-
-    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
-        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: self._size}[whence]
-        if base + offset < 0:
-            raise ValueError(f"negative seek position {base + offset}")
-        self._pos = base + offset
-        return self._pos
 
     def _fetch(self, n: int) -> bytes:
-        start, end = self._pos, min(self._pos + n, self._size)
+        start, end = self.pos, min(self.pos + n, self.size)
         if end <= start:
             return b""
         data = self._storage._read_range(self._rel, start, end)
-        self._pos = end
+        self.pos = end
         return data
 
     def readinto(self, buffer: Any) -> int:
@@ -411,7 +393,7 @@ class _RangeReader(io.RawIOBase):
         return len(data)
 
     def readall(self) -> bytes:
-        return self._fetch(self._size - self._pos)  # one request, not 8 KiB at a time
+        return self._fetch(self.size - self.pos)  # one request, not 8 KiB at a time
 
 
 # --- a parallel upload ---------------------------------------------------------------------
