@@ -170,8 +170,9 @@ def test_a_sigterm_while_an_early_restore_hangs_leaves_after_the_stall_time(
 def test_a_state_tree_moves_point_to_point_and_is_read_once_between_real_processes(
         tmp_path: Path) -> None:
     """send_tree / recv_tree, and readonce.read_once: a file streamed by rank 0 in chunks
-    lands whole on every rank as views of one buffer; a truncated file and a read that
-    fails half-way raise the same error on every rank, and no rank waits for ever."""
+    lands whole on every rank as views of one buffer; manifests that disagree on its size,
+    a truncated file and a read that fails half-way raise the same error on every rank, and
+    no rank waits for ever."""
     env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()),
                WORLD_SIZE="3", RESULT_DIR=str(tmp_path), GLOO_SOCKET_IFNAME="lo")
     procs = [subprocess.Popen([sys.executable, str(HERE / "dist_workers" / "transfer_worker.py")],
@@ -200,6 +201,9 @@ def test_a_state_tree_moves_point_to_point_and_is_read_once_between_real_process
             assert tree_["plain"] == want["plain"]
         assert whole["span"] <= got[rank]["file_bytes"]   # views of one buffer: no copy
         assert whole["read"] == (got[0]["file_bytes"] if rank == 0 else 0)
+        disagree = got[rank]["disagree"]
+        assert disagree["error"] == "CorruptCheckpointError", (rank, disagree)
+        assert "manifests disagree on its size" in disagree["message"]
         short, drops = got[rank]["short"], got[rank]["drops"]
         assert short["error"] == "CorruptCheckpointError", (rank, short)
         assert "short.pt: " in short["message"] and "the manifest says" in short["message"]

@@ -45,8 +45,12 @@ def read_once(storage: Storage, rel: str, entry: FileEntry, *, src: int, rank: i
     alone and checked against the manifest's ``entry``; ``counted(n)`` after each n bytes
     read (on ``src``: also those of a read that then fails). Every rank raises the same
     CorruptCheckpointError (or StorageError) when it fails."""
-    buf = _buffer(entry.size)
-    chunks = [(s, min(s + CHUNK_BYTES, entry.size)) for s in range(0, entry.size, CHUNK_BYTES)]
+    # Every rank streams the source's size, so that the ranks' collectives line up even
+    # where their manifests would not (a step rewritten while it is read): that is then an
+    # error on every rank, not a rank waiting for chunks that never come.
+    size = _source_size(entry.size, src, rank, group)
+    buf = _buffer(size)
+    chunks = [(s, min(s + CHUNK_BYTES, size)) for s in range(0, size, CHUNK_BYTES)]
     where = storage.url_of(rel)
     failure: BaseException | None = None
     if rank == src:
@@ -55,6 +59,10 @@ def read_once(storage: Storage, rel: str, entry: FileEntry, *, src: int, rank: i
         for start, end in chunks:
             _broadcast(buf[start:end], src, group)
     kind, message = _verdict(failure, src, rank, group)
+    if kind == _OK and _any_rank(entry.size != size, group):
+        kind, message = _CORRUPT, (f"{where}: the ranks' manifests disagree on its size "
+                                   f"(rank {src}'s says {size} bytes): the step changed "
+                                   "while it was being read")
     if kind == _CORRUPT:
         if rank == src and isinstance(failure, CorruptCheckpointError):
             raise failure
@@ -70,6 +78,20 @@ def read_once(storage: Storage, rel: str, entry: FileEntry, *, src: int, rank: i
 def _buffer(size: int) -> torch.Tensor:
     """``size`` bytes of fresh anonymous memory as a uint8 tensor (kept alive by it)."""
     return torch.frombuffer(mmap.mmap(-1, max(size, 1)), dtype=torch.uint8)[:size]
+
+
+def _source_size(size: int, src: int, rank: int, group: Any) -> int:
+    head = torch.tensor([size if rank == src else 0], dtype=torch.int64)
+    _broadcast(head, src, group)
+    return int(head.item())
+
+
+def _any_rank(flag: bool, group: Any) -> bool:
+    import torch.distributed as dist
+
+    t = torch.tensor([int(flag)], dtype=torch.int64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+    return bool(t.item())
 
 
 def _broadcast(chunk: torch.Tensor, src: int, group: Any) -> None:

@@ -1,6 +1,7 @@
 """Three ranks move one state tree around: rank 0 sends it to rank 2 point to point, then
-streams a file of it to everyone (readonce.py, in chunks much smaller than the file), then
-streams a truncated copy and a copy whose read fails half-way. Each rank writes what it
+streams a file of it to everyone (readonce.py, in chunks much smaller than the file), the
+same file where rank 2's manifest says another size, a truncated copy, and a copy whose
+read fails half-way. Each rank writes what it
 received and what it raised to ``$RESULT_DIR/rankR.pt``."""
 import io
 import os
@@ -85,6 +86,9 @@ def main() -> None:
         storage.write_bytes("drops.pt", data)
     dist.barrier()
     out["whole"] = streamed(storage, "whole.pt", entry, rank)
+    # Rank 2's manifest says another size (a step rewritten while it was read).
+    out["disagree"] = streamed(storage, "whole.pt", FileEntry(entry.size + 5, entry.crc32c)
+                               if rank == 2 else entry, rank)
     out["short"] = streamed(storage, "short.pt", entry, rank)
     if rank == 0:
         opened = storage.open_read
