@@ -172,14 +172,14 @@ def test_a_state_tree_moves_point_to_point_and_is_read_once_between_real_process
     """send_tree / recv_tree, and readonce.read_once: a file streamed by rank 0 in chunks
     lands whole on every rank as views of one buffer; manifests that disagree on its size,
     a truncated file and a read that fails half-way raise the same error on every rank, and
-    no rank waits for ever."""
+    no rank waits for ever, also when a receiver dies mid-stream."""
     env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()),
                WORLD_SIZE="3", RESULT_DIR=str(tmp_path), GLOO_SOCKET_IFNAME="lo")
     procs = [subprocess.Popen([sys.executable, str(HERE / "dist_workers" / "transfer_worker.py")],
                               env=env | {"RANK": str(r)}, stdout=subprocess.PIPE,
                               stderr=subprocess.STDOUT) for r in range(3)]
     outs = [p.communicate(timeout=120)[0].decode(errors="replace") for p in procs]
-    assert [p.returncode for p in procs] == [0, 0, 0], outs
+    assert [p.returncode for p in procs] == [0, 0, 17], outs   # rank 2 died mid-stream
     sys.path.insert(0, str(HERE / "dist_workers"))
     try:
         from transfer_worker import tree
@@ -212,6 +212,10 @@ def test_a_state_tree_moves_point_to_point_and_is_read_once_between_real_process
         if rank:
             assert "read by rank 0" in drops["message"]
     assert got[1]["short"]["message"] == got[0]["short"]["message"]
+    # A receiver that dies mid-stream: the others get an error, not a wait.
+    for rank in (0, 1):
+        dies = torch.load(tmp_path / f"dies.rank{rank}.pt", weights_only=True)
+        assert "error" in dies, (rank, dies)
     assert 0 < got[0]["drops"]["read"] < got[0]["file_bytes"]
     assert got[2]["p2p_bytes"] == got[0]["sent_bytes"] == nbytes
 

@@ -107,6 +107,7 @@ def _read_and_send(storage: Storage, rel: str, entry: FileEntry, buf: torch.Tens
     thread broadcasts each once it is there. After a failure the remaining chunks still go
     (unread), so that no receiver waits for a chunk that never comes; the verdict says."""
     landed: queue.Queue[int | BaseException] = queue.Queue()
+    stop = threading.Event()   # a broadcast failed (a receiver is gone): read no further
     crc = Crc32c()
     view = buf.numpy().data
     where = storage.url_of(rel)
@@ -120,6 +121,8 @@ def _read_and_send(storage: Storage, rel: str, entry: FileEntry, buf: torch.Tens
             with storage.open_read(rel) as opened:
                 f = cast(io.BufferedIOBase, opened)
                 for i, (start, end) in enumerate(chunks):
+                    if stop.is_set():
+                        return
                     at = start
                     while at < end:
                         n = f.readinto(view[at:end])
@@ -141,12 +144,16 @@ def _read_and_send(storage: Storage, rel: str, entry: FileEntry, buf: torch.Tens
     reader = threading.Thread(target=read, name="rt-read-once", daemon=True)
     reader.start()
     failure: BaseException | None = None
-    for start, end in chunks:
-        if failure is None:
-            got = landed.get()
-            if isinstance(got, BaseException):
-                failure = got
-        _broadcast(buf[start:end], src, group)
+    try:
+        for start, end in chunks:
+            if failure is None:
+                got = landed.get()
+                if isinstance(got, BaseException):
+                    failure = got
+            _broadcast(buf[start:end], src, group)
+    except BaseException:
+        stop.set()
+        raise
     if failure is None:   # the checksum's outcome, after the last chunk
         got = landed.get()
         failure = got if isinstance(got, BaseException) else None

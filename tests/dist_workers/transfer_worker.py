@@ -1,7 +1,7 @@
 """Three ranks move one state tree around: rank 0 sends it to rank 2 point to point, then
 streams a file of it to everyone (readonce.py, in chunks much smaller than the file), the
-same file where rank 2's manifest says another size, a truncated copy, and a copy whose
-read fails half-way. Each rank writes what it
+same file where rank 2's manifest says another size, a truncated copy, a copy whose read
+fails half-way, and last the file again while rank 2 dies after its first chunk. Each rank writes what it
 received and what it raised to ``$RESULT_DIR/rankR.pt``."""
 import io
 import os
@@ -107,7 +107,23 @@ def main() -> None:
     out["drops"] = streamed(storage, "drops.pt", entry, rank)
     out["file_bytes"] = len(data)
     torch.save(out, os.path.join(os.environ["RESULT_DIR"], f"rank{rank}.pt"))
-    dist.destroy_process_group()
+    # Last, as it breaks the group: rank 2 dies after the first chunk of another stream.
+    if rank == 0:
+        storage.open_read = opened   # type: ignore[method-assign]
+    if rank == 2:
+        calls, sent = [0], readonce._broadcast
+
+        def dies(chunk: torch.Tensor, src: int, group: object) -> None:
+            sent(chunk, src, group)
+            calls[0] += 1
+            if calls[0] == 2:   # the size, then one chunk
+                os._exit(17)
+
+        readonce._broadcast = dies
+    got = streamed(storage, "whole.pt", entry, rank)
+    torch.save({k: v for k, v in got.items() if k != "tree"},
+               os.path.join(os.environ["RESULT_DIR"], f"dies.rank{rank}.pt"))
+    os._exit(0)   # the group is broken: nothing to tear down
 
 
 if __name__ == "__main__":
