@@ -55,13 +55,14 @@ baseline's process also times ``import torch`` alone and that build (information
 **Read once vs every rank reads** (``--skip-read-once`` skips it): 3 processes (gloo)
 save one checkpoint of the same state to a fresh emulator, then restore it, interleaved:
 ``restore_latest`` with peer recovery off (read once: the primary reads the shared file
-and streams each 64 MiB chunk to the others as it lands, each rank reads its own small file), every rank calling
-``loader.load_verified`` on the shared file itself (the old path), and rank 0 alone
-doing that (the others wait). Each includes loading the state into the model and
-optimizer. Seconds (the slowest rank), bytes read from storage (all ranks). Target:
-read once <= 1.2 x one rank alone. What bounds it, measured in the same processes: rank 0's
-broadcast of the state's tensors as raw buffers to the other two, into memory touched for
-the first time (as a restore's receivers must allocate it) and into the same memory again.
+and streams each 64 MiB chunk to the others as it lands, each rank reads its own small
+file), every rank calling ``loader.load_verified`` on the shared file itself (the old
+path), and rank 0 alone doing that (the others wait). Each includes loading the state
+into the model and optimizer. Seconds (the slowest rank), bytes read from storage (all
+ranks). Target: read once <= 1.2 x one rank alone. What bounds it, measured in the same
+processes: rank 0's broadcast of the state's tensors as raw buffers to the other two,
+into memory touched for the first time (as a restore's receivers must allocate it) and
+into the same memory again.
 
 **SIGTERM -> emergency checkpoint committed** (``--skip-sigterm`` skips it): a job of the
 same worker, checkpoints on the emulator, the primary preempted at step 12 under
@@ -1074,7 +1075,6 @@ def main() -> int:
           f"start {avail_start / 2**30:.1f} GiB, least seen {watch.least / 2**30:.1f} GiB; "
           f"emulator peak RSS {watch.emulator_rss / 2**30:.1f} GiB; "
           f"{time.monotonic() - t0:.0f} s in all")
-
 
     result = {
         "benchmark": "recovery",

@@ -1128,6 +1128,7 @@ class CheckpointManager:
             return shared
         rel = f"{name}/{SHARED_FILE}"
         entry = manifest_entry(manifest, SHARED_FILE, self.storage.url_of(rel))
+
         def counted(n: int) -> None:
             self._read_bytes += n
 

@@ -1,8 +1,8 @@
 """Three ranks move one state tree around: rank 0 sends it to rank 2 point to point, then
 streams a file of it to everyone (readonce.py, in chunks much smaller than the file), the
 same file where rank 2's manifest says another size, a truncated copy, a copy whose read
-fails half-way, and last the file again while rank 2 dies after its first chunk. Each rank writes what it
-received and what it raised to ``$RESULT_DIR/rankR.pt``."""
+fails half-way, and last the file again while rank 2 dies after its first chunk. Each rank
+writes what it received and what it raised to ``$RESULT_DIR/rankR.pt``."""
 import io
 import os
 
@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 
 from resilient_train.checkpoint import readonce
-from resilient_train.checkpoint.manifest import Crc32c, FileEntry
+from resilient_train.checkpoint.manifest import FileEntry, crc32c
 from resilient_train.checkpoint.storage import Storage
 from resilient_train.checkpoint.transfer import recv_tree, send_tree
 
@@ -32,9 +32,7 @@ def tree() -> dict:
 
 
 def entry_of(data: bytes) -> FileEntry:
-    crc = Crc32c()
-    crc.update(data)
-    return FileEntry(crc.size, crc.hexdigest())
+    return FileEntry(len(data), crc32c(data))
 
 
 def streamed(storage: Storage, rel: str, entry: FileEntry, rank: int) -> dict:
