@@ -14,7 +14,7 @@ Each contender differs only in the storage option ``"transfer"``
 
 * ``1 stream`` is the path without parallel streams (``streams=1``): the file is spooled
   to ``TMPDIR`` and uploaded with one gcsfs ``put_file`` (a resumable upload in 50 MiB
-  chunks); a restore reads each file with one ``cat_file``. The baseline of the ratios.
+  chunks); a restore reads 8 MiB ranges one at a time. The baseline of the ratios.
 * ``1 stream, parts`` (``--no-shape`` drops it) is the parallel code path with one
   stream: parts of ``--part-mib`` uploaded one at a time, then composed. It separates
   what the upload's shape gains from what parallelism gains: fake-gcs-server spends CPU
@@ -22,7 +22,12 @@ Each contender differs only in the storage option ``"transfer"``
   upload's at 256 MiB, 1.8x at 512 MiB here), which tells nothing about real GCS, so
   compare the parallel rows with this one too.
 * ``N streams`` cuts the stream into parts of ``--part-mib`` that upload N at a time and
-  are composed server-side, and reads N ranges at a time.
+  are composed server-side, and reads N ranges of ``read_part_bytes`` (the default, 8
+  MiB) at a time. Every restore of the library reads a file into one buffer and loads
+  the tensors as views of it.
+* ``by hand`` (``--no-hand-written`` drops it) is what a user writes without this library:
+  ``torch.save`` into a gcsfs file opened for writing, ``torch.load`` from one opened for
+  reading, then ``load_state_dict``; no manifest, checksum or commit. Column ``xh``.
 
 Every round runs every contender once, in a rotated order, after a warm-up round that is
 dropped; between contenders the checkpoint is deleted, so the emulator (which keeps every
@@ -134,6 +139,34 @@ def gs_backend(cls: type[GcsStorage] | None) -> Iterator[None]:
         storage_mod._REGISTERED.pop("gs", None)
 
 
+def blank(target: Model) -> None:
+    """Zeros in the restore's target, so that a restore that loads nothing fails the check."""
+    with torch.no_grad():
+        for p in target.parameters():
+            p.zero_()
+
+
+def by_hand(url: str, options: dict[str, Any], model: Model, target: Model, step: int,
+            emu_proc: Any, me: Any) -> tuple[float, float, float, float, float, float, int]:
+    """What a user writes without this library: torch.save into a gcsfs file opened for
+    writing (one resumable upload), torch.load from one opened for reading (gcsfs's
+    read-ahead in blocks). No manifest, checksum or commit. The same timings as the
+    manager's rows: save s, emulator and client CPU s, then the same for the restore."""
+    fs = storage_mod.Storage(url, storage_options=options).fs
+    path = f"{url.removeprefix('gs://')}/model-{step}.pt"
+    e0, c0, t0 = cpu_s(emu_proc), cpu_s(me), time.perf_counter()
+    with fs.open(path, "wb") as f:
+        torch.save(model.state_dict(), f)
+    saved = (time.perf_counter() - t0, cpu_s(emu_proc) - e0, cpu_s(me) - c0)
+    blank(target)
+    gc.collect()
+    e0, c0, t0 = cpu_s(emu_proc), cpu_s(me), time.perf_counter()
+    with fs.open(path, "rb") as f:
+        target.load_state_dict(torch.load(f, map_location="cpu", weights_only=True))
+    restored = (time.perf_counter() - t0, cpu_s(emu_proc) - e0, cpu_s(me) - c0)
+    return (*saved, *restored, step)
+
+
 def cpu_s(proc: Any) -> float:
     """CPU seconds of a process so far (0 where there is none: a real bucket)."""
     if proc is None:
@@ -146,10 +179,15 @@ def rss(proc: Any) -> int:
     return 0 if proc is None else int(proc.memory_info().rss)
 
 
+HAND_WRITTEN = "by hand: torch.save/load on gcsfs open()"
+
+
 def contender_name(streams: int, part_mib: int, shape: bool) -> str:
+    if streams == 0:
+        return HAND_WRITTEN
     if shape:
         return f"1 stream, {part_mib} MiB parts + compose"
-    return "1 stream (put_file / cat_file)" if streams == 1 else \
+    return "1 stream (put_file; 1 read at a time)" if streams == 1 else \
         f"{streams} streams, {part_mib} MiB parts"
 
 
@@ -162,6 +200,8 @@ def main() -> int:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--no-shape", action="store_true",
                     help="leave out the one-stream part upload (see the docstring)")
+    ap.add_argument("--no-hand-written", action="store_true",
+                    help="leave out torch.save/torch.load on a gcsfs file (the docstring)")
     ap.add_argument("--out", type=Path, default=RESULTS)
     ap.add_argument("--url", default=None,
                     help="a real gs://BUCKET/PREFIX instead of the emulator (deleted after)")
@@ -196,6 +236,8 @@ def main() -> int:
         if s == 1 and not args.no_shape:
             for p in parts_list:
                 contenders.append((contender_name(1, p, True), 1, p, True))
+    if not args.no_hand_written:   # what a user writes without us: streams 0 marks it
+        contenders.append((HAND_WRITTEN, 0, 0, False))
 
     torch.manual_seed(0)
     model = Model(args.size_mib << 20)
@@ -231,36 +273,43 @@ def main() -> int:
             for name, streams, part_mib, only_shape in contenders[k:] + contenders[:k]:
                 step += 1
                 url = f"{root}/r{rnd}-s{streams}-p{part_mib}{'-shape' * only_shape}"
-                opts = CheckpointOptions(
-                    async_save=False, retention=RetentionPolicy(keep_last=1),
-                    storage_options={**base_opts, "transfer": {
-                        "streams": streams, "read_streams": streams,
-                        "part_bytes": part_mib << 20}})
-                with gs_backend(OneStreamParts if only_shape else None):
-                    saver = CheckpointManager(url, options=opts)
-                saver.track(model=model)
-                uploads.uploads.clear()
-                e0, c0, t0 = cpu_s(emu_proc), cpu_s(me), time.perf_counter()
-                saver.save(step, blocking=True)
-                t_save = time.perf_counter() - t0
-                e_save, c_save = cpu_s(emu_proc) - e0, cpu_s(me) - c0
-                peak_rss = max(peak_rss, rss(emu_proc))
-                big = max(uploads.uploads, key=lambda a: a[1], default=None)
-                saver.close()
+                if streams == 0:
+                    t_save, e_save, c_save, t_restore, e_rest, c_rest, got = by_hand(
+                        url, base_opts, model, target, step, emu_proc, me)
+                    big = None
+                else:
+                    opts = CheckpointOptions(
+                        async_save=False, retention=RetentionPolicy(keep_last=1),
+                        storage_options={**base_opts, "transfer": {
+                            "streams": streams, "read_streams": streams,
+                            "part_bytes": part_mib << 20}})
+                    with gs_backend(OneStreamParts if only_shape else None):
+                        saver = CheckpointManager(url, options=opts)
+                    saver.track(model=model)
+                    uploads.uploads.clear()
+                    e0, c0, t0 = cpu_s(emu_proc), cpu_s(me), time.perf_counter()
+                    saver.save(step, blocking=True)
+                    t_save = time.perf_counter() - t0
+                    e_save, c_save = cpu_s(emu_proc) - e0, cpu_s(me) - c0
+                    peak_rss = max(peak_rss, rss(emu_proc))
+                    big = max(uploads.uploads, key=lambda a: a[1], default=None)
+                    saver.close()
 
-                restorer = CheckpointManager(url, options=opts)
-                restorer.track(model=target)
-                gc.collect()
-                e0, c0, t0 = cpu_s(emu_proc), cpu_s(me), time.perf_counter()
-                got = restorer.restore_latest()
-                t_restore = time.perf_counter() - t0
-                e_rest, c_rest = cpu_s(emu_proc) - e0, cpu_s(me) - c0
-                peak_rss = max(peak_rss, rss(emu_proc))
-                restorer.close()
+                    restorer = CheckpointManager(url, options=opts)
+                    restorer.track(model=target)
+                    blank(target)
+                    gc.collect()
+                    e0, c0, t0 = cpu_s(emu_proc), cpu_s(me), time.perf_counter()
+                    got = restorer.restore_latest()
+                    t_restore = time.perf_counter() - t0
+                    e_rest, c_rest = cpu_s(emu_proc) - e0, cpu_s(me) - c0
+                    peak_rss = max(peak_rss, rss(emu_proc))
+                    restorer.close()
                 if got != step or not all(torch.equal(a, b) for a, b in
                                           zip(model.parameters(), target.parameters())):
                     raise SystemExit(f"{name}: restored step {got}, not the bytes saved")
-                restorer.storage.fs.rm(restorer.storage.root, recursive=True)
+                gone = storage_mod.Storage(url, storage_options=base_opts)
+                gone.fs.rm(gone.root, recursive=True)
                 gc.collect()
                 if rnd:
                     mine = samples[name]
@@ -283,6 +332,7 @@ def main() -> int:
 
     base = samples[contenders[0][0]]
     shaped = next((samples[c[0]] for c in contenders if c[3]), None)
+    hand = samples.get(HAND_WRITTEN)
     rows = []
     for name, streams, part_mib, only_shape in contenders:
         mine = samples[name]
@@ -290,6 +340,9 @@ def main() -> int:
                                "part_bytes": part_mib << 20 if streams > 1 or only_shape
                                else None, "parts_path": streams > 1 or only_shape,
                                **shape.get(name, {})}
+        if streams:
+            row["read_part_bytes"] = DEFAULT_GCS_TRANSFER.read_part_bytes if streams > 1 \
+                else None
         for op in ("save", "restore"):
             med = statistics.median(mine[op])
             row[op] = {
@@ -301,6 +354,8 @@ def main() -> int:
                 "emulator_cpu_s": statistics.median(mine[f"{op}_emu_cpu"]),
                 "client_cpu_s": statistics.median(mine[f"{op}_client_cpu"]),
             }
+            if hand is not None:   # against what a user writes without the library
+                row[op]["ratio_vs_hand"] = statistics.median(hand[op]) / med
             if shaped is not None:   # against the one-stream part upload: parallelism alone
                 row[op]["ratio_vs_1_parts"] = statistics.median(shaped[op]) / med
                 row[op]["ratio_vs_1_parts_paired"] = statistics.median(
@@ -323,15 +378,17 @@ def main() -> int:
                    "store": args.url or "fake-gcs-server, memory backend, 127.0.0.1"},
         "default": {"streams": DEFAULT_GCS_TRANSFER.streams,
                     "read_streams": DEFAULT_GCS_TRANSFER.read_streams,
-                    "part_bytes": DEFAULT_GCS_TRANSFER.part_bytes},
+                    "part_bytes": DEFAULT_GCS_TRANSFER.part_bytes,
+                    "read_part_bytes": DEFAULT_GCS_TRANSFER.read_part_bytes},
         "rows": rows,
         "emulator_peak_rss_bytes": peak_rss,
         "seconds": round(total, 1),
         "load_average_1min": {k: round(v, 2) for k, v in loads.items()},
         "bound": ("2 cores shared with other processes; the emulator's CPU per MiB written "
                   "(MD5 + CRC32C + copies) bounds saves, the client's CPU (one gcsfs event "
-                  "loop, checksum, torch.load) bounds restores; loopback has no RTT or "
-                  "per-stream cap, which parallel streams hide on GCS"),
+                  "loop, first-touch of the restore's buffer, checksum) bounds restores; "
+                  "loopback has no RTT or per-stream cap, which parallel streams hide on "
+                  "GCS"),
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(out, indent=2) + "\n")
@@ -343,10 +400,11 @@ def print_table(rows: list[dict[str, Any]], nbytes: int) -> None:
     parts = "ratio_vs_1_parts" in rows[0]["save"]
     print(f"\n{nbytes / 2**20:.0f} MiB checkpoint, medians. x1 = the one-stream put_file "
           "path's time / this one's (above 1: faster); /rnd = median of the per-round "
-          "ratios" + ("; x1p = the same against the one-stream part upload" if parts else ""))
+          "ratios; xh = the hand-written restore's time / this one's"
+          + ("; x1p = the same against the one-stream part upload" if parts else ""))
     head = (f"{'contender':<38} {'save s':>7} {'MiB/s':>6} {'x1':>5} {'/rnd':>5} "
             + (f"{'x1p':>5} " if parts else "")
-            + f" {'restore s':>9} {'MiB/s':>6} {'x1':>5} {'/rnd':>5}  {'emu cpu':>7} "
+            + f" {'restore s':>9} {'MiB/s':>6} {'x1':>5} {'/rnd':>5} {'xh':>5}  {'emu cpu':>7} "
             f"{'parts':>5} {'bufs':>4}")
     print(head)
     print("-" * len(head))
@@ -356,7 +414,8 @@ def print_table(rows: list[dict[str, Any]], nbytes: int) -> None:
               f"{sv['ratio_vs_1']:>5.2f} {sv['ratio_vs_1_paired']:>5.2f} "
               + (f"{sv['ratio_vs_1_parts']:>5.2f} " if parts else "")
               + f" {rs['median_s']:>9.2f} {rs['mib_s']:>6.0f} {rs['ratio_vs_1']:>5.2f} "
-              f"{rs['ratio_vs_1_paired']:>5.2f}  {sv['emulator_cpu_s']:>7.2f} "
+              f"{rs['ratio_vs_1_paired']:>5.2f} {rs.get('ratio_vs_hand', float('nan')):>5.2f}  "
+              f"{sv['emulator_cpu_s']:>7.2f} "
               f"{r.get('parts', '-'):>5} {r.get('peak_part_buffers', '-'):>4}")
 
 

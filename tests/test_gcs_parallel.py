@@ -21,7 +21,7 @@ import torch
 from resilient_train import cli
 from resilient_train.checkpoint import storage as storage_mod
 from resilient_train.checkpoint import storage_fsspec
-from resilient_train.checkpoint.directory import SHARED_FILE, scan, verify_step
+from resilient_train.checkpoint.directory import SHARED_FILE, read_manifest, scan, verify_step
 from resilient_train.checkpoint.fileio import PartBuffers
 from resilient_train.checkpoint.manager import CheckpointManager, CheckpointOptions
 from resilient_train.checkpoint.manifest import CorruptCheckpointError
@@ -48,7 +48,8 @@ SAFETY_S = 60.0   # waits on gates and conditions: a hang fails the test, never 
 
 def _options(bucket: Any, **transfer: int) -> dict[str, Any]:
     return {**bucket.storage_options, "transfer": {
-        "streams": STREAMS, "read_streams": STREAMS, "part_bytes": PART, **transfer}}
+        "streams": STREAMS, "read_streams": STREAMS, "part_bytes": PART,
+        "read_part_bytes": PART, **transfer}}
 
 
 class Net(torch.nn.Module):
@@ -105,13 +106,15 @@ def test_transfer_options_come_from_storage_options_and_check_themselves(gcs_buc
     st = _remote(gcs_bucket.url, storage_options={**gcs_bucket.storage_options,
                                                   "transfer": {"streams": 8}})
     assert st.transfer == TransferOptions(8, DEFAULT_GCS_TRANSFER.read_streams,
-                                          DEFAULT_GCS_TRANSFER.part_bytes)
+                                          DEFAULT_GCS_TRANSFER.part_bytes,
+                                          DEFAULT_GCS_TRANSFER.read_part_bytes)
     given = TransferOptions(streams=2, part_bytes=1 << 20)
     st = _remote(gcs_bucket.url, storage_options={**gcs_bucket.storage_options,
                                                   "transfer": given})
     assert st.transfer is given
     assert _remote("memory://rt-parallel/x").transfer == TransferOptions(1, 1)
     for bad in ({"streams": 0}, {"read_streams": 0}, {"part_bytes": -1}, {"streams": True},
+                {"read_part_bytes": 0},
                 {"stream": 2}, 4):
         with pytest.raises(ValueError, match="TransferOptions|transfer"):
             Storage(gcs_bucket.url, storage_options={**gcs_bucket.storage_options,
@@ -171,17 +174,26 @@ def test_a_multi_part_save_round_trips_byte_exact(gcs_bucket: Any,
     assert 1 <= reading["peak"] <= STREAMS
 
 
-def test_one_stream_is_the_single_request_path(gcs_bucket: Any,
-                                               caplog: pytest.LogCaptureFixture,
-                                               monkeypatch: pytest.MonkeyPatch) -> None:
+def test_one_stream_uploads_in_one_request_and_reads_one_range_at_a_time(
+        gcs_bucket: Any, caplog: pytest.LogCaptureFixture,
+        monkeypatch: pytest.MonkeyPatch) -> None:
     caplog.set_level("DEBUG", logger=storage_fsspec.__name__)
     ranged: list[int] = []
+    lock = threading.Lock()
+    reading = {"now": 0, "peak": 0}
     real_fetch = FsspecStorage._fetch_range
 
     def spy(self: FsspecStorage, rel: str, start: int, end: int,
             stop: threading.Event | None) -> bytes:
-        ranged.append(start)
-        return real_fetch(self, rel, start, end, stop)
+        with lock:
+            ranged.append(start)
+            reading["now"] += 1
+            reading["peak"] = max(reading["peak"], reading["now"])
+        try:
+            return real_fetch(self, rel, start, end, stop)
+        finally:
+            with lock:
+                reading["now"] -= 1
 
     monkeypatch.setattr(FsspecStorage, "_fetch_range", spy)
     st = _remote(f"{gcs_bucket.url}/one",
@@ -190,13 +202,19 @@ def test_one_stream_is_the_single_request_path(gcs_bucket: Any,
     with st.open_write("f.bin") as f:
         f.write(payload)
     assert st.last_transfer is None and not _uploaded(caplog)  # spooled, one put_file
-    assert st.read_bytes("f.bin") == payload and ranged == []  # one cat_file
+    assert st.read_bytes("f.bin") == payload
+    assert sorted(ranged) == [0, PART, 2 * PART, 3 * PART] and reading["peak"] == 1
+    ranged.clear()
+    small = b"x" * PART
+    st.write_bytes("small.bin", small)
+    assert st.read_bytes("small.bin") == small and ranged == []   # one part: one request
 
 
 def test_ranged_parallel_reads_work_on_any_fsspec_store() -> None:
     """memory:// has no compose: writes stay one upload, reads go in ranges."""
     st = _remote("memory://rt-parallel-reads/run", retry=FAST, storage_options={
-        "transfer": {"streams": STREAMS, "read_streams": STREAMS, "part_bytes": 1000}})
+        "transfer": {"streams": STREAMS, "read_streams": STREAMS, "part_bytes": 1000,
+                     "read_part_bytes": 1000}})
     payload = bytes(i % 241 for i in range(10_500))
     try:
         with st.open_write("f.bin") as f:
@@ -207,6 +225,49 @@ def test_ranged_parallel_reads_work_on_any_fsspec_store() -> None:
             r.seek(999)
             assert r.read(1002) == payload[999:2001]
             assert r.read() == payload[2001:]
+    finally:
+        st.fs.rm(st.root, recursive=True)
+
+
+def test_a_restore_reads_an_object_into_one_buffer_that_the_tensors_view(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Ranged reads land in place in one buffer, the tensors are views of it (no second
+    copy of the file in memory), and a file of another size than the manifest's is
+    corrupt whether it is shorter or longer."""
+    from resilient_train.checkpoint import loader
+
+    st = _remote("memory://rt-read-into/run", retry=FAST, storage_options={
+        "transfer": {"read_streams": STREAMS, "read_part_bytes": 4096}})
+    net = Net(seed=6)
+    try:
+        with CheckpointManager(st.url, options=CheckpointOptions(async_save=False)) as mgr:
+            mgr.track(model=net)
+            mgr.save(1)
+        (info,) = scan(st)
+        manifest = read_manifest(st, info.name, 1)
+        path = f"{st.root}/{info.name}/{SHARED_FILE}"
+        assert manifest.files[SHARED_FILE].size > 40 * 4096   # many ranges, 3 in flight
+
+        buffers: list[torch.Tensor] = []
+
+        def kept(size: int) -> torch.Tensor:
+            buffers.append(real_buffer(size))
+            return buffers[-1]
+
+        real_buffer = loader.file_buffer
+        monkeypatch.setattr(loader, "file_buffer", kept)
+        weights = loader.load_verified(st, info.name, SHARED_FILE, manifest)["model"]
+        assert all(torch.equal(weights[k], v) for k, v in net.state_dict().items())
+        (buf,) = buffers
+        assert loader._ZERO_COPY   # this torch has it (test_checkpoint_integrity: without)
+        assert all(buf.data_ptr() <= t.data_ptr() < buf.data_ptr() + buf.numel()
+                   for t in weights.values())
+
+        good = st.fs.cat_file(path)
+        for bad, what in ((good[:-7], "ended at byte"), (good + b"extra", "longer than")):
+            st.fs.pipe_file(path, bad)
+            with pytest.raises(CorruptCheckpointError, match=what):
+                loader.load_verified(st, info.name, SHARED_FILE, manifest)
     finally:
         st.fs.rm(st.root, recursive=True)
 

@@ -19,7 +19,6 @@ stays allocated with it. On an accelerator everything is copied off and it is fr
 from __future__ import annotations
 
 import io
-import mmap
 import queue
 import threading
 from collections.abc import Callable
@@ -27,7 +26,7 @@ from typing import Any, cast
 
 import torch
 
-from .loader import load_buffer
+from .loader import file_buffer, load_buffer, read_into
 from .manifest import CorruptCheckpointError, Crc32c, FileEntry, check_entry
 from .storage import Storage
 from .storage_errors import StorageError
@@ -49,7 +48,7 @@ def read_once(storage: Storage, rel: str, entry: FileEntry, *, src: int, rank: i
     # where their manifests would not (a step rewritten while it is read): that is then an
     # error on every rank, not a rank waiting for chunks that never come.
     size = _source_size(entry.size, src, rank, group)
-    buf = _buffer(size)
+    buf = file_buffer(size)
     chunks = [(s, min(s + CHUNK_BYTES, size)) for s in range(0, size, CHUNK_BYTES)]
     where = storage.url_of(rel)
     failure: BaseException | None = None
@@ -73,11 +72,6 @@ def read_once(storage: Storage, rel: str, entry: FileEntry, *, src: int, rank: i
         raise StorageError(f"{message} (read by rank {src}, which streams {where} to the "
                            "others)", url=where, operation="read")
     return load_buffer(buf, where)
-
-
-def _buffer(size: int) -> torch.Tensor:
-    """``size`` bytes of fresh anonymous memory as a uint8 tensor (kept alive by it)."""
-    return torch.frombuffer(mmap.mmap(-1, max(size, 1)), dtype=torch.uint8)[:size]
 
 
 def _source_size(size: int, src: int, rank: int, group: Any) -> int:
@@ -121,14 +115,7 @@ def _read_and_send(storage: Storage, rel: str, entry: FileEntry, buf: torch.Tens
                 for i, (start, end) in enumerate(chunks):
                     if stop.is_set():
                         return
-                    at = start
-                    while at < end:
-                        n = f.readinto(view[at:end])
-                        if not n:
-                            raise CorruptCheckpointError(
-                                f"{where}: ended at byte {at}, the manifest says {entry.size}")
-                        at += n
-                        counted(n)
+                    read_into(f, view, start, end, where, entry.size, counted)
                     crc.update(view[start:end])
                     landed.put(i)
             check_entry(FileEntry(crc.size, crc.hexdigest()), entry, where)

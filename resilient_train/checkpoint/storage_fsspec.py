@@ -6,8 +6,9 @@ is a prefix with objects), no atomic rename, so a step is committed by its marke
 local disk and uploaded with one ``put_file``; a read is checked against the object's size.
 
 Parallel streams (`TransferOptions`, the ``"transfer"`` storage option)
-    With ``streams > 1`` (uploads) or ``read_streams > 1`` (reads), a file larger than
-    ``part_bytes`` moves as several requests in flight at once:
+    With ``streams > 1`` (uploads), a file larger than ``part_bytes`` moves as several
+    requests in flight at once; a file larger than ``read_part_bytes`` is read as ranges,
+    ``read_streams`` of them in flight:
 
     * writes, where the store composes objects server-side (GCS ``compose``: `GcsStorage`):
       the stream is cut into parts of ``part_bytes`` while it is written; each full part
@@ -20,8 +21,10 @@ Parallel streams (`TransferOptions`, the ``"transfer"`` storage option)
       deletes the parts (after an outage: one short attempt, as ``CommitFile.discard``
       reasons), and a crash leaves only hidden names in an uncommitted step directory,
       which retention deletes with it. Stores without compose keep the spooled upload.
-    * reads (any fsspec store): ranged reads of ``part_bytes``, ``read_streams`` at a
-      time, joined in order; the caller verifies the whole file's crc32c as before.
+    * reads (any fsspec store): ranged reads of ``read_part_bytes``, ``read_streams`` at
+      a time, each copied into its place in the caller's buffer as it lands (a restore
+      reads a file into one buffer, `loader.load_verified`), or joined in order; the
+      caller verifies the whole file's crc32c as before.
 
     Every request is one `Storage._retrying` call of its own (the same deadline, backoff
     and errors as a whole-file request); the first that fails for good stops the others
@@ -84,10 +87,14 @@ class TransferOptions:
         and uploaded with one request, as before this option existed. More than 1 needs a
         store that composes objects (GCS); elsewhere a file is still one upload.
     read_streams: ranged reads in flight per file (a restore, ``checkpoints verify``).
-        1: one request per file.
-    part_bytes: the size of one part of an upload and of one ranged read; a file of at
-        most this size is always one request. A parallel upload holds at most
-        ``(streams + 1) * part_bytes`` of memory.
+        1: one at a time.
+    part_bytes: the size of one part of an upload; a file of at most this size is always
+        one upload. A parallel upload holds at most ``(streams + 1) * part_bytes`` of
+        memory.
+    read_part_bytes: the size of one ranged read; a file of at most this size is always
+        one read. Smaller than an upload's part: a read has no per-part object to create
+        and compose, so small ranges cost only their request (measured, docs/
+        checkpointing.md).
 
     Given as ``storage_options={"transfer": TransferOptions(...)}`` (or a dict of the same
     fields, e.g. ``{"transfer": {"streams": 8}}``: unset fields keep the backend's
@@ -98,9 +105,10 @@ class TransferOptions:
     streams: int = 1
     read_streams: int = 1
     part_bytes: int = 32 << 20
+    read_part_bytes: int = 8 << 20
 
     def __post_init__(self) -> None:
-        for name in ("streams", "read_streams", "part_bytes"):
+        for name in ("streams", "read_streams", "part_bytes", "read_part_bytes"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"TransferOptions.{name} must be a whole number >= 1, "
@@ -271,24 +279,50 @@ class FsspecStorage(Storage):
         upload.finish()
 
     def _read_parts(self, rel: str, size: int) -> bytes | None:
-        if self._transfer.read_streams < 2 or size <= self._transfer.part_bytes:
-            return None
-        return self._read_range(rel, 0, size)
+        return self._read_range(rel, 0, size) if self._split(size) else None
 
     def _read_range(self, rel: str, start: int, end: int) -> bytes:
         """Bytes [start, end) of rel: one ranged read, or ``read_streams`` at a time of
-        ``part_bytes`` each, joined in order."""
-        opts = self._transfer
-        if opts.read_streams < 2 or end - start <= opts.part_bytes:
+        ``read_part_bytes`` each, joined in order."""
+        if not self._split(end - start):
             return self._fetch_range(rel, start, end, None)
-        ranges = [(s, min(s + opts.part_bytes, end))
-                  for s in range(start, end, opts.part_bytes)]
+        parts: dict[int, bytes] = {}
+        self._read_ranges(rel, start, end, parts.__setitem__)
+        return b"".join(parts[at] for at in sorted(parts))
+
+    def _read_range_into(self, rel: str, start: int, out: memoryview) -> None:
+        """Bytes [start, start + len(out)) of rel into ``out``, each part copied into its
+        place as it lands: no join, and at most ``read_streams`` parts in memory."""
+        end = start + len(out)
+        if not self._split(end - start):
+            out[:] = self._fetch_range(rel, start, end, None)
+            return
+
+        def place(at: int, data: bytes) -> None:
+            out[at - start:at - start + len(data)] = data
+
+        self._read_ranges(rel, start, end, place)
+
+    def _split(self, n: int) -> bool:
+        # Ranges even with one stream: one GET of a whole large object is the slowest way
+        # to read it (the client grows one body in memory; measured, docs/checkpointing.md).
+        return n > self._transfer.read_part_bytes
+
+    def _read_ranges(self, rel: str, start: int, end: int,
+                     landed: Callable[[int, bytes], None]) -> None:
+        """[start, end) as ranged reads of ``read_part_bytes``, ``read_streams`` at a time;
+        ``landed(offset, data)`` on the reading thread as each one completes."""
+        opts = self._transfer
+        ranges = [(at, min(at + opts.read_part_bytes, end))
+                  for at in range(start, end, opts.read_part_bytes)]
+
+        def fetch(at: int, until: int, stop: threading.Event) -> None:
+            landed(at, self._fetch_range(rel, at, until, stop))
+
         stop = threading.Event()
         workers = _Workers(min(opts.read_streams, len(ranges)), "rt-read")
         try:
-            futures = [workers.submit(self._fetch_range, rel, s, e, stop) for s, e in ranges]
-            _wait_all(futures, stop)
-            return b"".join(f.result() for f in futures)
+            _wait_all([workers.submit(fetch, at, until, stop) for at, until in ranges], stop)
         finally:
             stop.set()   # a failure: the queued ranges end at their first attempt
             workers.close()
@@ -388,9 +422,11 @@ class _RangeReader(SeekableReader):
 
     def readinto(self, buffer: Any) -> int:
         view = memoryview(buffer).cast("B")
-        data = self._fetch(len(view))
-        view[: len(data)] = data
-        return len(data)
+        n = max(0, min(len(view), self.size - self.pos))
+        if n:   # a large read (a whole file into its buffer) goes as parallel ranges
+            self._storage._read_range_into(self._rel, self.pos, view[:n])
+            self.pos += n
+        return n
 
     def readall(self) -> bytes:
         return self._fetch(self.size - self.pos)  # one request, not 8 KiB at a time
