@@ -696,12 +696,14 @@ def section_gcs_streams(d: dict[str, Any]) -> Section:
            f"tensors) saved and restored by `CheckpointManager` on "
            f"{cfg.get('store') or cfg.get('emulator') or 'the emulator'}, "
            f"{cfg.get('repeats', '?')} interleaved rounds after a warm-up, medians. "
-           "x1: the one-stream path's time (one `put_file` / `cat_file` per file) over the "
-           "row's, above 1.00x faster; per round: the median of the per-round ratios"
+           "x1: the one-stream path's time (one `put_file` per file; reads one range at a "
+           "time) over the row's, above 1.00x faster; per round: the median of the "
+           "per-round ratios"
            + ("; x1 parts: the same against the one-stream part upload (the upload's shape "
-              "without parallelism)" if parts else "") + "."), ""]
+              "without parallelism)" if parts else "")
+           + "; restore x by hand: `torch.load` from a gcsfs file's time over the row's."), ""]
     head = ["", "save s", "MiB/s", "x1", "per round"] + (["x1 parts"] if parts else []) + \
-        ["restore s", "MiB/s", "x1", "per round", "parts", "buffers"]
+        ["restore s", "MiB/s", "x1", "per round", "restore x by hand", "parts", "buffers"]
     table, values = [], {}
     for r in rows:
         sv, rs = r.get("save") or {}, r.get("restore") or {}
@@ -711,6 +713,7 @@ def section_gcs_streams(d: dict[str, Any]) -> Section:
                      + ([fratio(sv.get("ratio_vs_1_parts"))] if parts else [])
                      + [fnum(rs.get("median_s"), 2), fnum(rs.get("mib_s"), 0),
                         fratio(rs.get("ratio_vs_1")), fratio(rs.get("ratio_vs_1_paired")),
+                        fratio(rs.get("ratio_vs_hand")),
                         str(r.get("parts", "-")), str(r.get("peak_part_buffers", "-"))])
         values[(name, "save")] = sv.get("mib_s")
         values[(name, "restore")] = rs.get("mib_s")
@@ -718,7 +721,9 @@ def section_gcs_streams(d: dict[str, Any]) -> Section:
     if default:
         md += ["", (f"Default for `gs://`: `TransferOptions(streams={default.get('streams')}, "
                     f"read_streams={default.get('read_streams', '?')}, part_bytes="
-                    f"{fnum((default.get('part_bytes') or 0) / 2**20, 0)} MiB)`.")]
+                    f"{fnum((default.get('part_bytes') or 0) / 2**20, 0)} MiB"
+                    + (f", read_part_bytes={fnum(default['read_part_bytes'] / 2**20, 0)} MiB"
+                       if default.get("read_part_bytes") else "") + ")`.")]
     if d.get("bound"):
         md += ["", f"What bounds it here: {d['bound']}."]
     loads = d.get("load_average_1min")
