@@ -61,7 +61,8 @@ def load_verified(storage: Storage, name: str, fname: str, manifest: Manifest) -
     buf = file_buffer(entry.size)
     view = buf.numpy().data
     try:
-        with storage.open_read(rel) as f:
+        with storage.open_read(rel) as opened:
+            f = cast(io.BufferedIOBase, opened)
             read_into(f, view, 0, entry.size, where, entry.size)
             if f.read(1):
                 raise CorruptCheckpointError(
@@ -88,7 +89,7 @@ def file_buffer(size: int) -> torch.Tensor:
     return torch.frombuffer(mem, dtype=torch.uint8)[:size]
 
 
-def read_into(f: IO[bytes], view: memoryview, start: int, end: int, where: str, size: int,
+def read_into(f: io.BufferedIOBase, view: memoryview, start: int, end: int, where: str, size: int,
               counted: Callable[[int], None] = lambda n: None) -> None:
     """Fill ``view[start:end]`` from ``f`` (a reader at ``start``) of a file the manifest
     says is ``size`` bytes, as large reads: an object store's reader splits each into
