@@ -22,9 +22,9 @@ Parallel streams (`TransferOptions`, the ``"transfer"`` storage option)
       reasons), and a crash leaves only hidden names in an uncommitted step directory,
       which retention deletes with it. Stores without compose keep the spooled upload.
     * reads (any fsspec store): ranged reads of ``read_part_bytes``, ``read_streams`` at
-      a time, each copied into its place in the caller's buffer as it lands (a restore
-      reads a file into one buffer, `loader.load_verified`), or joined in order; the
-      caller verifies the whole file's crc32c as before.
+      a time, each copied into its place in one buffer as it lands (a restore reads a
+      file into its own buffer, `loader.load_verified`); the caller verifies the whole
+      file's crc32c as before.
 
     Every request is one `Storage._retrying` call of its own (the same deadline, backoff
     and errors as a whole-file request); the first that fails for good stops the others
@@ -282,50 +282,40 @@ class FsspecStorage(Storage):
         return self._read_range(rel, 0, size) if self._split(size) else None
 
     def _read_range(self, rel: str, start: int, end: int) -> bytes:
-        """Bytes [start, end) of rel: one ranged read, or ``read_streams`` at a time of
-        ``read_part_bytes`` each, joined in order."""
+        """Bytes [start, end) of rel: one ranged read, or ranges into one buffer."""
         if not self._split(end - start):
             return self._fetch_range(rel, start, end, None)
-        parts: dict[int, bytes] = {}
-        self._read_ranges(rel, start, end, parts.__setitem__)
-        return b"".join(parts[at] for at in sorted(parts))
+        out = bytearray(end - start)
+        self._read_range_into(rel, start, memoryview(out))
+        return bytes(out)
 
     def _read_range_into(self, rel: str, start: int, out: memoryview) -> None:
-        """Bytes [start, start + len(out)) of rel into ``out``, each part copied into its
-        place as it lands: no join, and at most ``read_streams`` parts in memory."""
+        """Bytes [start, start + len(out)) of rel into ``out``: ranged reads of
+        ``read_part_bytes``, ``read_streams`` at a time, each copied into its place as it
+        lands (at most ``read_streams`` ranges in memory)."""
         end = start + len(out)
         if not self._split(end - start):
             out[:] = self._fetch_range(rel, start, end, None)
             return
+        step = self._transfer.read_part_bytes
 
-        def place(at: int, data: bytes) -> None:
+        def fetch(at: int, stop: threading.Event) -> None:
+            data = self._fetch_range(rel, at, min(at + step, end), stop)
             out[at - start:at - start + len(data)] = data
 
-        self._read_ranges(rel, start, end, place)
+        stop = threading.Event()
+        ranges = range(start, end, step)
+        workers = _Workers(min(self._transfer.read_streams, len(ranges)), "rt-read")
+        try:
+            _wait_all([workers.submit(fetch, at, stop) for at in ranges], stop)
+        finally:
+            stop.set()   # a failure: the queued ranges end at their first attempt
+            workers.close()
 
     def _split(self, n: int) -> bool:
         # Ranges even with one stream: one GET of a whole large object is the slowest way
         # to read it (the client grows one body in memory; measured, docs/checkpointing.md).
         return n > self._transfer.read_part_bytes
-
-    def _read_ranges(self, rel: str, start: int, end: int,
-                     landed: Callable[[int, bytes], None]) -> None:
-        """[start, end) as ranged reads of ``read_part_bytes``, ``read_streams`` at a time;
-        ``landed(offset, data)`` on the reading thread as each one completes."""
-        opts = self._transfer
-        ranges = [(at, min(at + opts.read_part_bytes, end))
-                  for at in range(start, end, opts.read_part_bytes)]
-
-        def fetch(at: int, until: int, stop: threading.Event) -> None:
-            landed(at, self._fetch_range(rel, at, until, stop))
-
-        stop = threading.Event()
-        workers = _Workers(min(opts.read_streams, len(ranges)), "rt-read")
-        try:
-            _wait_all([workers.submit(fetch, at, until, stop) for at, until in ranges], stop)
-        finally:
-            stop.set()   # a failure: the queued ranges end at their first attempt
-            workers.close()
 
     def _fetch_range(self, rel: str, start: int, end: int,
                      stop: threading.Event | None) -> bytes:
@@ -412,13 +402,6 @@ class _RangeReader(SeekableReader):
         self._storage = storage
         self._rel = rel
 
-    def _fetch(self, n: int) -> bytes:
-        start, end = self.pos, min(self.pos + n, self.size)
-        if end <= start:
-            return b""
-        data = self._storage._read_range(self._rel, start, end)
-        self.pos = end
-        return data
 
     def readinto(self, buffer: Any) -> int:
         view = memoryview(buffer).cast("B")
@@ -429,7 +412,11 @@ class _RangeReader(SeekableReader):
         return n
 
     def readall(self) -> bytes:
-        return self._fetch(self.size - self.pos)  # one request, not 8 KiB at a time
+        if self.pos >= self.size:
+            return b""
+        data = self._storage._read_range(self._rel, self.pos, self.size)  # not 8 KiB reads
+        self.pos = self.size
+        return data
 
 
 # --- a parallel upload ---------------------------------------------------------------------
