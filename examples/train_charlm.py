@@ -11,8 +11,9 @@ Everything that makes it survive restarts is `@rt.main`, `ctx.track(...)`, `ctx.
 and `rt.ResumableLoader`: a restarted worker (or the whole job, retried) resumes from the
 last committed checkpoint with the same weights, optimizer moments, learning-rate
 schedule, RNG states (dropout) and position in the shuffled data, so the final weights
-are bitwise those of a run that never failed (on CPU; CUDA kernels may not be
-deterministic). Uses CUDA (nccl, bf16 autocast) when a GPU is visible, else the CPU (gloo).
+are bitwise those of a run that never failed, at any number of workers (on CPU; CUDA
+kernels may not be deterministic). Uses CUDA (nccl, bf16 autocast) when a GPU is
+visible, else the CPU (gloo).
 """
 
 from __future__ import annotations
@@ -129,7 +130,12 @@ def train(ctx: rt.Context, args: argparse.Namespace) -> None:
                                 drop_last=True, num_workers=args.loader_workers,
                                 pin_memory=cuda)
     ctx.track(model=model, optimizer=opt, scheduler=sched, data=loader)
-    ddp = nn.parallel.DistributedDataParallel(model) if ctx.world_size > 1 else model
+    # From 3 ranks on, the order in which gloo sums a gradient depends on DDP's bucket
+    # layout, which DDP rebuilds after a process's first step: a resumed process's first
+    # step would sum in another order than the uninterrupted run's. find_unused_parameters
+    # keeps the first layout for good (about 3% slower here); 2 ranks sum alike either way.
+    ddp = nn.parallel.DistributedDataParallel(
+        model, find_unused_parameters=ctx.world_size > 2) if ctx.world_size > 1 else model
 
     batches = loader.forever()   # lazy: the first batch is drawn after ctx.steps restored
     t0, seen = time.perf_counter(), 0
