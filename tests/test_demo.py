@@ -6,12 +6,14 @@ exit instead of recovering in-process. (Bitwise-exact recovery: test_flagship.py
 from __future__ import annotations
 
 import json
-from datetime import datetime
 import os
 import re
 import shlex
+import signal
 import subprocess
 import sys
+import time
+from datetime import datetime
 from pathlib import Path
 
 import pytest
@@ -131,23 +133,66 @@ def test_sigterm_reaches_a_primary_blocked_in_a_collective_with_a_frozen_peer(
     # The peer is frozen (SIGSTOP) so the primary's collective never returns and Python
     # never runs its SIGTERM handler: it sat out the 30 s grace until the SIGKILL. The
     # stall guard ends the collectives 5 s in and the primary exits transient by itself.
-    # The peer stays frozen 10 s, well past the guard's 5 s (it acts about 5.5 s in):
-    # the collective cannot have ended because the peer came back.
+    # The SIGTERM is sent once the primary has been blocked for 2 s (no step done; a step
+    # takes 50 ms): sent together with the freeze, it could reach the primary in Python,
+    # whose emergency save then waits for the frozen peer in its writer thread instead
+    # (and is abandoned at the grace's deadline: another path, tested elsewhere).
+    # The peer stays frozen 15 s, well past the guard's 5 s (it acts about 5.5 s after
+    # the SIGTERM): the collective cannot have ended because the peer came back.
     # No save before step 30: a freeze that catches a save's commit in flight can leave the
     # frozen rank's writer in its gather after it resumes (see the stop notes of issues 14
-    # and 16), which is another defect than the one tested here. Saving every 10 steps, the
-    # step-20 commit was still in flight at step 25 in one loaded run out of several.
-    job, out, _ = launch_demo(tmp_path, "--timeout", "150s",
-                              "--chaos", "hang:1@step25+10s,preempt:0@step25/30s", steps=40,
-                              script_args=("--save-every", "30"))
+    # and 16), which is another defect than the one tested here.
+    job_dir = tmp_path / "job"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "resilient_train.cli", "launch", "--workers", "2",
+         "--job-dir", str(job_dir), "--timeout", "150s", "--chaos", "hang:1@step25+15s",
+         "--", sys.executable, str(ROOT / "examples" / "train_demo.py"), "--steps", "40",
+         "--step-time", "0.05", "--save-every", "30"],
+        env=dict(os.environ, RESILIENT_TRAIN_QUOTA_DIR=str(tmp_path / "quota"),
+                 RESILIENT_TRAIN_FORM_TIMEOUT_S="15"),
+        cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        sent = _sigterm_once_blocked(job_dir, proc)
+        out, _ = proc.communicate(timeout=150)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, out[-3000:]
+    job = json.loads((job_dir / "job.json").read_text())
+    assert job["state"] == "JOB_STATE_SUCCEEDED"
     primary = job["attempts"][0]["replicas"]["workerpool0-0"]
     assert primary["exit_codes"][0] == 134, primary       # not 137: no SIGKILL needed
     assert "the main thread has been blocked inside torch" in out
     assert "SIGTERM while the process group was failing" in out
-    events = job["events"]
-    sent = next(e for e in events if "preempt on workerpool0-0" in e["message"])
-    exited = next(e for e in events if e["message"].startswith("workerpool0-0: exited"))
-    took = (datetime.fromisoformat(exited["time"].replace("Z", "+00:00"))
-            - datetime.fromisoformat(sent["time"].replace("Z", "+00:00"))).total_seconds()
+    exited = next(e for e in job["events"]
+                  if e["message"].startswith("workerpool0-0: exited"))
+    took = datetime.fromisoformat(exited["time"].replace("Z", "+00:00")).timestamp() - sent
     # A bound on the mechanism (5 s stall, then the exit) against the 30 s grace.
     assert took < 25, (sent, exited)
+
+
+def _sigterm_once_blocked(job_dir: Path, proc: subprocess.Popen[str]) -> float:
+    """SIGTERM to the primary's process group (what a preemption sends) once the peer is
+    frozen and the primary has finished no step for 2 s; the time it was sent."""
+    from resilient_train.telemetry import read_step
+
+    prefix = job_dir / "telemetry" / "attempt-1" / "workerpool0-0.restart-0"
+    deadline = time.monotonic() + 120
+    last, since = None, time.monotonic()
+    while True:
+        assert proc.poll() is None, proc.communicate()[0][-3000:]
+        assert time.monotonic() < deadline, "the peer was never frozen, or the primary ran on"
+        record = job_dir / "job.json"
+        frozen = record.exists() and "hang on workerpool1-0" in record.read_text()
+        step = read_step(prefix)
+        if step != last:
+            last, since = step, time.monotonic()
+        elif frozen and time.monotonic() - since >= 2.0:
+            break
+        time.sleep(0.05)
+    pid = next(int(f[3]) for f in (line.split() for line in
+                                   (job_dir / "processes.log").read_text().splitlines())
+               if f[:3] == ["workerpool0-0", "1", "0"])
+    sent = time.time()
+    os.killpg(pid, signal.SIGTERM)
+    return sent
