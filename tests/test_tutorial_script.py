@@ -82,7 +82,8 @@ def test_restarting_the_job_on_a_worker_restart_starts_every_replica_afresh(
     assert proc.returncode == 0, out
     record = json.loads((job_dir / "job.json").read_text())
     assert record["state"] == "JOB_STATE_SUCCEEDED"
-    assert len(record["attempts"]) == 1   # restarts, not a job retry
+    retries = _retries_for_an_abort_at_exit(record, job_dir)
+    assert len(record["attempts"]) == 1 + retries   # restarts, not a job retry
     messages = [e["message"] for e in record["events"]]
     # Every replica's new life is a new container: no snapshot to load, and it says so.
     for replica in ("workerpool0-0", WORKER):
@@ -95,4 +96,21 @@ def test_restarting_the_job_on_a_worker_restart_starts_every_replica_afresh(
         assert any(m.startswith(f"{replica}: restarted on") and "snapshot.pt" in m
                    and "wiped" in m for m in messages)
     # The second lives ran every epoch again, from 0.
-    assert _logs(job_dir, "workerpool0-0").count("[GPU0] Epoch 0 |") == 2
+    assert _logs(job_dir, "workerpool0-0").count("[GPU0] Epoch 0 |") == 2 + retries
+
+
+def _retries_for_an_abort_at_exit(record: dict, job_dir: Path) -> int:
+    """How many times the job was retried because the script, having trained every epoch,
+    aborted at interpreter exit (torch's gloo teardown: "terminate called without an
+    active exception", exit 134, about one run in fifteen on a loaded machine). The
+    platform retries a job on 134, and so does the launcher; any other retry fails."""
+    for n, attempt in enumerate(record["attempts"][:-1], start=1):
+        assert attempt["result"] == "retry: transient-exit-code", attempt
+        aborted = [r for r, rep in attempt["replicas"].items() if rep["exit_codes"][-1] == 134]
+        assert len(aborted) == 1, attempt
+        life = (job_dir / "logs" / f"attempt-{n}" / f"{aborted[0]}.log").read_text()
+        last = life.split("=====")[-1]
+        assert "Epoch 39 |" in last, last[-2000:]
+        assert last.rstrip().endswith("terminate called without an active exception"), \
+            last[-2000:]
+    return len(record["attempts"]) - 1
