@@ -42,7 +42,7 @@ def _verify_local_file(path: str, entry: FileEntry, where: str) -> None:
                     crc.update(mm)
     except FileNotFoundError:
         raise CorruptCheckpointError(f"{where}: missing") from None
-    check_entry(FileEntry(crc.size, crc.hexdigest()), entry, where)
+    check_entry(crc.entry(), entry, where)
 
 
 def load_verified(storage: Storage, name: str, fname: str, manifest: Manifest) -> dict[str, Any]:
@@ -71,7 +71,7 @@ def load_verified(storage: Storage, name: str, fname: str, manifest: Manifest) -
         raise CorruptCheckpointError(f"{where}: missing") from None
     crc = Crc32c()
     crc.update(view)
-    check_entry(FileEntry(crc.size, crc.hexdigest()), entry, where)
+    check_entry(crc.entry(), entry, where)
     return load_buffer(buf, where)
 
 

@@ -61,6 +61,10 @@ class Crc32c:
     def hexdigest(self) -> str:
         return f"{self._crc:08x}"  # the same digest as GCS's (big-endian hex)
 
+    def entry(self) -> FileEntry:
+        """What a manifest records of the bytes seen so far: their size and checksum."""
+        return FileEntry(self.size, self.hexdigest())
+
 
 def crc32c(data: bytes | memoryview) -> str:
     c = Crc32c()
@@ -147,5 +151,5 @@ def read_verified(storage: Storage, name: str, fname: str, manifest: Manifest) -
         raise CorruptCheckpointError(f"{where}: missing") from None
     crc = Crc32c()
     crc.update(data)
-    check_entry(FileEntry(crc.size, crc.hexdigest()), entry, where)
+    check_entry(crc.entry(), entry, where)
     return data

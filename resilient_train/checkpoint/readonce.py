@@ -118,7 +118,7 @@ def _read_and_send(storage: Storage, rel: str, entry: FileEntry, buf: torch.Tens
                     read_into(f, view, start, end, where, entry.size, counted)
                     crc.update(view[start:end])
                     landed.put(i)
-            check_entry(FileEntry(crc.size, crc.hexdigest()), entry, where)
+            check_entry(crc.entry(), entry, where)
         except FileNotFoundError:
             landed.put(CorruptCheckpointError(f"{where}: missing"))
         except BaseException as exc:  # handed to the caller, after the chunks are sent

@@ -523,7 +523,7 @@ def _checksum(storage: Storage, rel: str) -> FileEntry:
     with storage.open_read(rel) as f:
         while chunk := f.read(_CHUNK):
             crc.update(chunk)
-    return FileEntry(crc.size, crc.hexdigest())
+    return crc.entry()
 
 
 def _checksum_against(storage: Storage, name: str, fname: str, manifest: Manifest) -> None:

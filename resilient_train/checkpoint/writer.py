@@ -92,7 +92,7 @@ def write_torch_file(storage: Storage, rel: str, obj: Any, *, atomic: bool) -> F
             w.close()
         finally:
             w.finish()
-    return FileEntry(w.crc.size, w.crc.hexdigest())
+    return w.crc.entry()
 
 
 def state_bytes(snap: Mapping[str, Any]) -> int:
