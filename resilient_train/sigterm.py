@@ -8,12 +8,14 @@ The checkpoint manager's handler (an emergency save at the next step boundary) c
 Python runs a signal handler only when the main thread next executes bytecode. A main
 thread blocked inside torch (a collective whose peer is dead or frozen) never does, or
 handles the signal and then blocks in the emergency save's own coordination with the same
-peer; either way the process sits out the grace period until the SIGKILL, with no report.
+peer, or handles it inside a wait on the peer ring (checkpoint/ringlink.py), which goes on
+waiting; either way the process sits out the grace period until the SIGKILL, with no report.
 `StallGuard` learns of the signal through the wakeup descriptor, which the C-level
 handler writes at once, and then watches the main thread: when it stays in one place
-inside torch for ``stall_s``, it calls ``unblock`` (the group ends its collectives, which
-then raise, and the process exits transient); when it is still stuck ``stall_s`` later, it
-writes a report with every thread's stack and exits with the transient code.
+inside torch (or in a wait marked `waits_on_peers`) for ``stall_s``, it calls ``unblock``
+(the group ends its collectives, which then raise, and the process exits transient); when
+it is still stuck ``stall_s`` later, it writes a report with every thread's stack and exits
+with the transient code.
 
 A SIGTERM to the whole process group (``timeout``, ``docker stop`` with an init, Slurm's
 ``scancel``) also kills the DataLoader's worker processes, and torch's SIGCHLD handler then
@@ -37,6 +39,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from types import CodeType, FrameType
+from typing import Any, TypeVar
 
 from .frames import current_frames
 
@@ -245,10 +248,26 @@ def noted(enabled: bool = True) -> Iterator[None]:
 STALL_S = 5.0
 
 
+# This package's own blocking waits on a peer outside torch (the peer ring's read): a main
+# thread held in one is held as surely as in a collective, and the same severing of the
+# group's connections ends both.
+_PEER_WAITS: set[CodeType] = set()
+
+_F = TypeVar("_F", bound=Callable[..., Any])
+
+
+def waits_on_peers(fn: _F) -> _F:
+    """Mark ``fn`` as a blocking wait on peers that :func:`main_stuck_in_torch` counts as
+    inside torch (a Python handler runs during it, but the wait goes on)."""
+    _PEER_WAITS.add(fn.__code__)
+    return fn
+
+
 def main_stuck_in_torch(stall_s: float, watching: Callable[[], bool]) -> bool:
-    """Whether the main thread stays at one instruction inside torch for ``stall_s``.
-    Polled, so a thread that moves on is never taken for a stuck one; False once the main
-    thread is gone or ``watching()`` turns False."""
+    """Whether the main thread stays at one instruction inside torch (or in a wait marked
+    :func:`waits_on_peers`) for ``stall_s``. Polled, so a thread that moves on is never
+    taken for a stuck one; False once the main thread is gone or ``watching()`` turns
+    False."""
     main = threading.main_thread().ident
     seen: tuple[int, int] | None = None
     still_since = time.monotonic()
@@ -257,7 +276,8 @@ def main_stuck_in_torch(stall_s: float, watching: Callable[[], bool]) -> bool:
         if frame is None:
             return False  # the main thread is gone: the process is exiting
         where = (id(frame.f_code), frame.f_lasti)
-        inside_torch = f"{os.sep}torch{os.sep}" in frame.f_code.co_filename
+        inside_torch = f"{os.sep}torch{os.sep}" in frame.f_code.co_filename or \
+            frame.f_code in _PEER_WAITS
         now = time.monotonic()
         if where != seen or not inside_torch:
             seen, still_since = where, now
@@ -318,9 +338,10 @@ class StallGuard:
         return main_stuck_in_torch(self.stall_s, lambda: self._write_fd != -1)
 
     def _stalled(self) -> None:
-        logger.warning("SIGTERM: the main thread has been blocked inside torch for %.0f s "
-                       "(most likely a collective with a lost or frozen peer); ending the "
-                       "process group's collectives so that it can exit", self.stall_s)
+        logger.warning("SIGTERM: the main thread has been blocked inside torch (or on the "
+                       "peer ring) for %.0f s (most likely a collective with a lost or frozen "
+                       "peer); ending the process group's collectives so that it can exit",
+                       self.stall_s)
         try:
             self._unblock()
         except Exception as exc:  # the guard must reach the exit below whatever happens

@@ -524,6 +524,40 @@ def test_a_training_thread_held_inside_torch_is_told_from_one_that_is_not() -> N
     assert seen["free"] is False
 
 
+def test_a_training_thread_held_on_the_peer_ring_counts_as_held_too() -> None:
+    # A rank waits for its previous rank's state before its optimizer step (peers.py) on a
+    # plain socket, outside torch. With that rank frozen, a SIGTERM's handler runs inside
+    # the read and the read goes on: the stall guard must see the thread held there, and
+    # the severing that ends collectives ends the read too.
+    import socket
+
+    from resilient_train.checkpoint.ringlink import PeerRingError, RingLink
+    from resilient_train.sigterm import main_stuck_in_torch
+
+    frozen, inc = socket.socketpair()
+    out, sink = socket.socketpair()
+    listener = socket.create_server(("127.0.0.1", 0))
+    link = RingLink(listener, out, inc, prev=1, timeout_s=30)
+    seen: dict[str, bool] = {}
+
+    def watch() -> None:
+        deadline = time.monotonic() + 10
+        seen["held"] = main_stuck_in_torch(0.3, lambda: time.monotonic() < deadline)
+        inc.shutdown(socket.SHUT_RDWR)   # what sever_gloo does to the ring's connections
+
+    watcher = threading.Thread(target=watch)
+    watcher.start()
+    try:
+        with pytest.raises(PeerRingError, match="connection closed by peer"):
+            link.receive(1)
+        watcher.join()
+        assert seen["held"] is True
+    finally:
+        link.close()
+        for s in (frozen, sink):
+            s.close()
+
+
 @pytest.mark.slow
 def test_a_rank_held_inside_torch_after_its_peer_left_exits_transient(tmp_path: Path) -> None:
     stall_s = 3.0

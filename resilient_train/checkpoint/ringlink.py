@@ -31,6 +31,7 @@ from collections import deque
 from dataclasses import dataclass
 
 from ..errors import TransientError
+from ..sigterm import waits_on_peers
 
 log = logging.getLogger(__name__)
 
@@ -148,6 +149,7 @@ class RingLink:
         self._frames = deque(f for f in self._frames if f.kind != kind)
         return out
 
+    @waits_on_peers   # a SIGTERM's stall guard ends a wait on a frozen rank (sigterm.py)
     def _read(self, *, block: bool) -> None:
         while True:
             self._parse()
