@@ -16,13 +16,15 @@ import torch
 
 
 def launch_job(tmp: Path, name: str, workers: int, launcher_args: Sequence[str],
-               script: Sequence[str]) -> tuple[dict[str, Any], str, Path]:
-    """Run ``script`` (a worker and its arguments) under the launcher to the end: the job
-    record, the launcher's output, the job directory. Fails the test unless it exits 0."""
+               script: Sequence[str], program: str = sys.executable
+               ) -> tuple[dict[str, Any], str, Path]:
+    """Run ``script`` (a worker and its arguments) with ``program`` under the launcher to the
+    end: the job record, the launcher's output, the job directory. Fails the test unless it
+    exits 0."""
     job_dir = tmp / name
     proc = subprocess.run(
         [sys.executable, "-m", "resilient_train.cli", "launch", "--workers", str(workers),
-         "--job-dir", str(job_dir), *launcher_args, "--", sys.executable, *script],
+         "--job-dir", str(job_dir), *launcher_args, "--", program, *script],
         env=dict(os.environ, RESILIENT_TRAIN_QUOTA_DIR=str(tmp / "quota"),
                  RESILIENT_TRAIN_FORM_TIMEOUT_S="15"),
         cwd=tmp, capture_output=True, text=True, timeout=400, check=False)

@@ -537,7 +537,7 @@ def test_a_training_thread_held_on_the_peer_ring_counts_as_held_too() -> None:
     frozen, inc = socket.socketpair()
     out, sink = socket.socketpair()
     listener = socket.create_server(("127.0.0.1", 0))
-    link = RingLink(listener, out, inc, prev=1, timeout_s=30)
+    link = RingLink(listener, out, inc, prev=1, nxt=1, timeout_s=30)
     seen: dict[str, bool] = {}
 
     def watch() -> None:

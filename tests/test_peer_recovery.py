@@ -26,9 +26,16 @@ from resilient_train.checkpoint.directory import (
     read_manifest,
 )
 from resilient_train.checkpoint.early import Early
-from resilient_train.checkpoint.recovery_plan import NoPlan, Plan, Recovered, Report, plan
+from resilient_train.checkpoint.recovery_plan import (
+    NoPlan,
+    Plan,
+    Recovered,
+    Report,
+    plan,
+)
 from resilient_train.checkpoint.recovery_plan import dumps_rank_state as _dumps
 from resilient_train.checkpoint.recovery_plan import loads_rank_state as _loads
+from resilient_train.checkpoint.ringlink import ring_order
 from resilient_train.checkpoint.state import capture_rng
 from resilient_train.checkpoint.storage import Storage
 from resilient_train.distributed.errors import StopRequestedError
@@ -71,6 +78,23 @@ def test_no_plan_when_a_rank_and_its_holder_are_both_lost():
     got = plan([report(0, 40, (39, 40), (39, 40)), report(1), report(2)])
     assert isinstance(got, NoPlan) and got.survivors
     assert "rank 1's RNG and values of step 40" in got.reason
+
+
+def test_the_ring_puts_each_ranks_copy_on_another_machine() -> None:
+    # torchrun on multi-GPU replicas numbers a machine's ranks together: 2 machines x 2
+    # processes are ranks [0, 1] and [2, 3]. A plain ring 0-1-2-3 would keep rank 0's copy
+    # on rank 1, its own machine, and a lost machine would take both.
+    for machines in (["A", "A", "B", "B"], ["A", "A", "A", "B", "B", "B"],
+                     ["A", "B", "C", "A", "B", "C"], ["A"] * 4 + ["B"] * 4 + ["C"] * 4):
+        order = ring_order(machines)
+        assert sorted(order) == list(range(len(machines)))
+        for at, rank in enumerate(order):
+            nxt = order[(at + 1) % len(order)]
+            assert machines[rank] != machines[nxt], (machines, order)
+    assert ring_order(["A", "A", "B", "B"]) == [0, 2, 1, 3]
+    # One process per machine (the launcher's replicas), or one machine: the plain ring.
+    assert ring_order(["m0", "m1", "m2"]) == [0, 1, 2]
+    assert ring_order(["A", "A", "A"]) == [0, 1, 2]
 
 
 def test_no_plan_at_a_fresh_start_and_none_when_every_survivor_is_torn():
@@ -281,6 +305,27 @@ def restores(job_dir: Path) -> list[dict]:
             if rec["kind"] == "restore":
                 events.append(rec | {"life": str(path.relative_to(job_dir))})
     return sorted(events, key=lambda e: e["t"])
+
+
+@pytest.mark.slow
+def test_a_lost_machine_of_two_processes_restores_from_the_other_machines_memory(
+        tmp_path: Path) -> None:
+    """Two replicas of two processes each (torchrun on each machine, as on a multi-GPU VM,
+    examples/torchrun_replica.sh): ranks [0, 1] and [2, 3]. The second machine is lost.
+    The ring runs 0-2-1-3, so its ranks' RNG and values were held on the first machine,
+    and every rank restores from memory. (In the ring 0-1-2-3, rank 2's copy was on rank 3,
+    lost with it, and the job went back to its last checkpoint.)"""
+    script = [str(HERE.parent / "examples" / "torchrun_replica.sh"), "--steps", "100"]
+    job, out, _ = launch_job(tmp_path, "machines", 2,
+                             ["--chaos", "kill:workerpool1-0@step60"], script, program="bash")
+    assert job["state"] == "JOB_STATE_SUCCEEDED", out[-3000:]
+    [recovery] = job["recoveries"]
+    assert {r["source"] for r in recovery["ranks"]} == {"peer"}, (recovery, out[-3000:])
+    assert recovery["bytes_read"]["persistent"] == 0 and recovery["steps_lost"] <= 1, recovery
+    assert "restoring from" not in out, out[-3000:]   # the fallback's line
+    resumed = re.findall(r"rank (\d): resumed from step (\d+) \(from (.*?)\)", out)
+    assert sorted(r for r, _, _ in resumed) == ["0", "1", "2", "3"], resumed
+    assert all("memory" in source for _, _, source in resumed), resumed
 
 
 @pytest.mark.slow

@@ -701,9 +701,10 @@ class CheckpointManager:
         t0 = time.perf_counter()
         own = shard_copies.pack(snap["dcp"].dcp_state, snap["shared"], snap["rank"])
         group = getattr(self.coord, "writer_group", None)
-        got = shard_copies.exchange(own, self.rank, self.world_size, group)
-        shard_copies.keep(self._ring.memory, self.storage.url, step, own, got,
-                          (self.rank - 1) % self.world_size, self.scheduler.save_point[1])
+        link = self._ring.link
+        got = shard_copies.exchange(own, link.next, link.prev, group)
+        shard_copies.keep(self._ring.memory, self.storage.url, step, own, got, link.prev,
+                          self.scheduler.save_point[1])
         self.coord.writer_barrier()
         shard_copies.confirm(self._ring.memory, step)
         log.debug("step %d: shard copies exchanged (%s out, %s in) in %.2f s", step,

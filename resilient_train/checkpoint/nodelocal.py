@@ -172,7 +172,7 @@ def _nth(k: int) -> str:
 
 
 def partner_file(rank: int) -> str:
-    """The copy of ``rank``'s per-rank state on the next rank's machine."""
+    """The copy of ``rank``'s per-rank state on the machine of the next rank of the ring."""
     return f"peer-rank{rank:05d}.pt"
 
 
@@ -223,20 +223,23 @@ class LocalTier:
     def report(self, persistent: int | None) -> Report:
         """What this machine holds, for the plan: its committed steps no older than the
         persistent tier's newest (``persistent``), with or without the partner's copy."""
-        prev = (self.rank - 1) % self.world_size
-        steps, held = [], []
+        owner_of = {partner_file(r): r for r in range(self.world_size) if r != self.rank}
+        steps: list[int] = []
+        partner: dict[int, int] = {}   # step -> whose copy it holds (the ring's previous rank)
         for info in scan(self.storage, with_manifest=True):
             if not info.committed or info.problems or \
                     (persistent is not None and info.step < persistent):
                 continue
             steps.append(info.step)
             try:
-                if partner_file(prev) in read_manifest(self.storage, info.name, info.step).files:
-                    held.append(info.step)
+                files = read_manifest(self.storage, info.name, info.step).files
             except CheckpointError:
                 continue
+            partner.update((info.step, owner_of[f]) for f in files if f in owner_of)
+        held_for = partner[max(partner)] if partner else None
+        held = tuple(sorted(s for s, r in partner.items() if r == held_for))
         return Report(rank=self.rank, replicated=tuple(steps), own=tuple(steps),
-                      held_for=prev if self.world_size > 1 else None, held=tuple(held),
+                      held_for=held_for, held=held,
                       last_commit=persistent, save_point=(None, 0.0), why_not="")
 
     def holdings(self, the_plan: Plan) -> LocalHoldings:

@@ -14,8 +14,9 @@ things make that restore possible without storage:
   boundary, tell (``Tensor._version`` moves with every in-place write).
 - **Each rank's own state has two holders.** The RNG streams and ``ctx.values`` differ per
   rank; at every step boundary each rank sends its snapshot of them to the next rank in a
-  ring (rank r's is held by r and r+1), without waiting: the message is posted at one
-  boundary and collected at the next. The last :data:`KEEP` boundaries are kept, since
+  ring that runs across machines (ringlink.ring_order: with one process per machine, rank
+  r's is held by r and r+1), without waiting: the message is posted at one boundary and
+  collected at the next. The last :data:`KEEP` boundaries are kept, since
   survivors can be one step apart.
 
 At the restore, every rank reports what it holds (:class:`Report`), and every rank

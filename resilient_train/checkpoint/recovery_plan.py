@@ -92,8 +92,9 @@ def plan(reports: list[Report], *, where: str = "in memory",
             givers = [h.rank for h in reports if h.held_for == r.rank and step in h.held]
             if not givers:
                 why = why or (f"no survivor holds rank {r.rank}'s RNG and values of step "
-                              f"{step} (the rank and the one after it were both lost, or it "
-                              f"died before sending them)")
+                              f"{step} (the rank and the next one in the peer ring, which "
+                              f"holds their copy, were both lost, or it died before sending "
+                              f"them)")
                 break
             source[r.rank] = min(givers)
         else:

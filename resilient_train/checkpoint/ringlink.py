@@ -66,13 +66,40 @@ def local_address(primary: str, port: int) -> str:
             return socket.gethostbyname(socket.gethostname())
 
 
+def machine_key() -> str:
+    """This process's machine, for the ring's placement: the host, and the replica (node)
+    rank where the job says it (``GROUP_RANK``, or the replica of ``CLUSTER_SPEC``):
+    replicas of a local launcher share a host but stand for separate machines."""
+    from ..cluster import ClusterInfo, ClusterSpecError
+
+    host = socket.gethostname()
+    try:
+        info = ClusterInfo.from_env()
+    except ClusterSpecError:   # a manager on a process group of the user's making
+        return host
+    return host if info.source == "standalone" else f"{host}#{info.group_rank}"
+
+
+def ring_order(machines: list[str]) -> list[int]:
+    """The ranks in ring order, given each rank's machine (``machine_key``): the first rank
+    of every machine, then the second of every machine, and so on. Neighbours in the ring
+    then sit on different machines whenever there are two or more, so a lost machine (a
+    node of 8 GPUs, say) never takes a rank's state together with the copy its neighbour
+    holds. One rank per machine keeps the plain order 0, 1, 2, ..."""
+    per_machine: dict[str, list[int]] = {}
+    for rank, machine in enumerate(machines):
+        per_machine.setdefault(machine, []).append(rank)
+    columns = list(per_machine.values())
+    return [col[i] for i in range(max(map(len, columns))) for col in columns if i < len(col)]
+
+
 class RingLink:
     """This rank's two connections: to the next rank (sends) and from the previous one."""
 
     def __init__(self, listener: socket.socket, out: socket.socket, inc: socket.socket,
-                 prev: int, timeout_s: float) -> None:
+                 prev: int, nxt: int, timeout_s: float) -> None:
         self._listener, self._out, self._in = listener, out, inc
-        self.prev = prev
+        self.prev, self.next = prev, nxt   # neighbours in ring_order
         self._timeout = timeout_s
         self._buf = bytearray()
         self._frames: deque[Frame] = deque()
@@ -83,22 +110,25 @@ class RingLink:
     @classmethod
     def connect(cls, rank: int, world_size: int, allgather: object, host: str,
                 token: bytes, timeout_s: float) -> RingLink:
-        """Collective: every rank listens, learns the others' addresses through
-        ``allgather`` (the coordination group's), connects to the next, accepts the
-        previous."""
+        """Collective: every rank listens, learns the others' addresses and machines
+        through ``allgather`` (the coordination group's), connects to the next rank of
+        :func:`ring_order`, accepts the previous."""
         listener = socket.create_server((host, 0))
         listener.settimeout(timeout_s)
         try:
-            addresses = allgather((host, listener.getsockname()[1]))   # type: ignore[operator]
-            nxt, prev = (rank + 1) % world_size, (rank - 1) % world_size
-            out = socket.create_connection(tuple(addresses[nxt]), timeout=timeout_s)
+            me = (host, listener.getsockname()[1], machine_key())
+            peers = allgather(me)   # type: ignore[operator]
+            order = ring_order([machine for _, _, machine in peers])
+            at = order.index(rank)
+            nxt, prev = order[(at + 1) % world_size], order[at - 1]
+            out = socket.create_connection(tuple(peers[nxt][:2]), timeout=timeout_s)
             out.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             out.sendall(token + struct.pack("<i", rank))
             inc = cls._accept(listener, token, prev, timeout_s)
         except BaseException:
             listener.close()
             raise
-        return cls(listener, out, inc, prev, timeout_s)
+        return cls(listener, out, inc, prev, nxt, timeout_s)
 
     @staticmethod
     def _accept(listener: socket.socket, token: bytes, prev: int,

@@ -6,8 +6,9 @@ Replicated state can come from any survivor (peers.py); a shard exists on one ra
 its second holder must have received it *before* the fault. That copy is made at each save
 of a sharded step, from the save's own host snapshot (the DCP stager's copy), on the writer
 thread: every rank packs its shard with its RNG streams, ``values`` and the small replicated
-part (a scheduler, say), sends it to the next rank and receives the previous rank's over the
-writer's gloo group. Once every rank has both copies (a barrier) the older save's are
+part (a scheduler, say), sends it to the next rank of the peer ring (ringlink.ring_order: on
+another machine whenever there are two) and receives the previous rank's over the writer's
+gloo group. Once every rank has both copies (a barrier) the older save's are
 dropped; until then both are kept, so a rank lost in the middle of an exchange leaves the
 survivors a step they all hold.
 
@@ -95,12 +96,12 @@ def unpack(payload: bytes) -> dict[str, Any]:
     return loads_rank_state(payload)
 
 
-def exchange(payload: bytes, rank: int, world_size: int, group: Any) -> bytes:
-    """Send ``payload`` to the next rank and return the previous rank's (collective on
-    ``group``; both directions posted at once, so no rank waits on another's send)."""
+def exchange(payload: bytes, nxt: int, prev: int, group: Any) -> bytes:
+    """Send ``payload`` to the next rank of the ring and return the previous rank's
+    (collective on ``group``; both directions posted at once, so no rank waits on another's
+    send)."""
     import torch.distributed as dist
 
-    nxt, prev = (rank + 1) % world_size, (rank - 1) % world_size
     size_in = torch.zeros(1, dtype=torch.int64)
     for req in (dist.isend(torch.tensor([len(payload)], dtype=torch.int64), nxt, group=group),
                 dist.irecv(size_in, prev, group=group)):
