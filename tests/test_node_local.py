@@ -53,6 +53,21 @@ def test_every_save_goes_to_the_machine_and_every_third_to_storage(tmp_path: Pat
     assert {SHARED_FILE, "rank-00000.pt"} <= files       # every rank's copy is complete
 
 
+def test_processes_sharing_a_machine_each_save_in_a_directory_of_their_own(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # torchrun's processes on one VM share its disk; in one directory their saves of a
+    # step (same names, same job token) broke each other ("... .tmp-step-50-...: no such
+    # file or directory"). With LOCAL_WORLD_SIZE above 1, rank R writes in rankR/.
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    train(tmp_path, 4)
+    assert committed(tmp_path / "local") == []
+    assert committed(tmp_path / "local" / "rank00000") == [4]
+    mgr = train(tmp_path, 0)   # and the restart on that machine finds it there
+    rec = mgr.last_restore
+    assert rec is not None and (rec.step, rec.source) == (4, "node-local")
+
+
 def test_a_restart_on_the_same_machine_restores_from_its_disk(tmp_path: Path) -> None:
     train(tmp_path, 7)
     mgr = train(tmp_path, 0)

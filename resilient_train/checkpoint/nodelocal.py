@@ -24,7 +24,8 @@ or with ``restartJobOnWorkerRestart``) a restarted process resumes from here; wh
 does not (maintenance, node loss, preemption, a job retry: a new VM) its directory is
 empty and the restore falls back to peers or storage. Under ``resilient-train launch``
 the directory defaults to ``$RESILIENT_TRAIN_NODE_LOCAL_DIR/checkpoints``, which the
-launcher wipes exactly where the platform would (launcher/machines.py).
+launcher wipes exactly where the platform would (launcher/machines.py). Several processes
+on one machine (torchrun's) each get a subdirectory, ``rank00003``.
 
 Sharded (DTensor) state is saved to the persistent tier, and to the neighbours' memory
 (shard_copies.py), not to the machine's disk.
@@ -39,7 +40,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .. import __version__
-from ..cluster import NODE_LOCAL_DIR_ENV
+from ..cluster import NODE_LOCAL_DIR_ENV, ClusterInfo, ClusterSpecError
 from ..text import format_duration
 from ..validate import NONE, expect_type
 from .commit import committer_for, remove_crashed_saves
@@ -171,6 +172,15 @@ def _nth(k: int) -> str:
                               "rd" if k % 10 == 3 and k % 100 != 13 else "th")
 
 
+def processes_on_this_machine() -> int:
+    """How many training processes share this machine (``LOCAL_WORLD_SIZE``: torchrun's
+    ``--nproc-per-node``); 1 where the environment does not say."""
+    try:
+        return ClusterInfo.from_env().local_world_size
+    except ClusterSpecError:   # a manager on a process group of the user's making
+        return 1
+
+
 def partner_file(rank: int) -> str:
     """The copy of ``rank``'s per-rank state on the machine of the next rank of the ring."""
     return f"peer-rank{rank:05d}.pt"
@@ -183,7 +193,12 @@ class LocalTier:
                  sharded: ShardedCheckpointer) -> None:
         self.options = options
         self.rank, self.world_size = rank, world_size
-        self.storage = Storage(options.resolve(), retry=RetryOptions())
+        root = options.resolve()
+        if processes_on_this_machine() > 1:
+            # torchrun's processes on one machine share its disk: a directory each, or
+            # their saves of a step (same names, same job token) would overwrite each other.
+            root = os.path.join(root, f"rank{rank:05d}")
+        self.storage = Storage(root, retry=RetryOptions())
         if not self.storage.is_local:
             raise ValueError(f"the node-local tier {self.storage.url} is not on a local disk")
         remove_crashed_saves(self.storage)   # only this rank writes here
