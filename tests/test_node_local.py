@@ -192,6 +192,28 @@ def test_every_worker_restarted_one_on_a_new_machine_resumes_from_the_others_dis
     assert recovery["bytes_read"]["persistent"] == 0
     assert_same_end(clean, alone, ranks=2)
 
+
+@pytest.mark.slow
+def test_a_machine_of_two_processes_lost_resumes_from_the_other_machines_disk(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # The same restart with two processes per replica (torchrun on each machine): ranks
+    # [0, 1] on the kept machine, [2, 3] on the new one. Each process keeps its own
+    # directory on the shared disk, and the peer ring ran 0-2-1-3, so the kept disk
+    # holds ranks 2 and 3's RNG and values too: no storage is read.
+    monkeypatch.setenv("PEER_DDP_NODE_LOCAL", "2")
+    job, out, faulted = launch_job(
+        tmp_path, "machines", 2, ["--restart-job-on-worker-restart",
+                                  "--chaos", "kill:workerpool1-0@step35"],
+        [str(HERE / "workers" / "torchrun_peer_ddp.sh"), "60", "10", "0.03"], program="bash")
+    assert "node-local checkpoint of step" not in out, out[-3000:]   # none failed
+    [recovery] = job["recoveries"]
+    assert recovery["step"] == 30, recovery      # the last save before the kill
+    assert {r["source"] for r in recovery["ranks"]} == {"node-local"}, recovery
+    assert recovery["bytes_read"]["persistent"] == 0, recovery
+    disk = faulted / "machines" / "workerpool0-0" / "vm" / "local" / "checkpoints"
+    assert sorted(p.name for p in disk.iterdir()) == ["rank00000", "rank00001"]
+
+
 def test_chaos_wipe_and_corrupt_hit_the_disk_a_restore_reads(tmp_path: Path, caplog) -> None:
     from resilient_train.launcher.chaos import FaultKind, parse_chaos
     from resilient_train.launcher.tamper import corrupt_newest_checkpoint, wipe_disk
