@@ -131,12 +131,16 @@ class Telemetry:
 
     @classmethod
     def from_env(cls) -> Telemetry | None:
+        """The replica life's telemetry; None when not launched, and in every process of a
+        replica but its first (torchrun's ``LOCAL_RANK`` above 0): the launcher accounts
+        for a replica, whose processes would otherwise share one progress file (and race
+        to create it)."""
         prefix = os.environ.get(TELEMETRY_ENV)
-        if not prefix:
+        if not prefix or os.environ.get("LOCAL_RANK", "0").strip() not in ("", "0"):
             return None
         try:
             return cls(prefix)
-        except OSError as exc:  # accounting must never stop training
+        except (OSError, ValueError) as exc:  # accounting must never stop training
             log.warning("telemetry disabled: cannot write %s: %s", prefix, exc)
             return None
 
