@@ -119,9 +119,12 @@ class Telemetry:
     def __init__(self, prefix: str | os.PathLike[str]) -> None:
         self.prefix = Path(prefix)
         self.prefix.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(f"{self.prefix}.progress", os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
+        # No O_TRUNC: torchrun's processes of one replica inherit its prefix, and one
+        # truncating the file between another's ftruncate and mmap made that mmap fail.
+        fd = os.open(f"{self.prefix}.progress", os.O_RDWR | os.O_CREAT, 0o644)
         try:
-            os.ftruncate(fd, _RECORD.size)
+            if os.fstat(fd).st_size < _RECORD.size:
+                os.ftruncate(fd, _RECORD.size)
             self._map: mmap.mmap | None = mmap.mmap(fd, _RECORD.size)
         finally:
             os.close(fd)
@@ -131,12 +134,8 @@ class Telemetry:
 
     @classmethod
     def from_env(cls) -> Telemetry | None:
-        """The replica life's telemetry; None when not launched, and in every process of a
-        replica but its first (torchrun's ``LOCAL_RANK`` above 0): the launcher accounts
-        for a replica, whose processes would otherwise share one progress file (and race
-        to create it)."""
         prefix = os.environ.get(TELEMETRY_ENV)
-        if not prefix or os.environ.get("LOCAL_RANK", "0").strip() not in ("", "0"):
+        if not prefix:
             return None
         try:
             return cls(prefix)
