@@ -219,6 +219,16 @@ class ClusterInfo:
         return self.job_id is not None
 
     @classmethod
+    def from_env_or_none(cls) -> ClusterInfo | None:
+        """``from_env()``, or None where a variable is malformed: for code that only
+        consults the job's layout (a checkpoint manager on a process group of the user's
+        own making, whose environment need not describe a job)."""
+        try:
+            return cls.from_env()
+        except ClusterSpecError:
+            return None
+
+    @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> ClusterInfo:
         """Read the environment; precedence: torchrun vars, CLUSTER_SPEC, TF_CONFIG, standalone.
 

@@ -276,10 +276,10 @@ def main_stuck_in_torch(stall_s: float, watching: Callable[[], bool]) -> bool:
         if frame is None:
             return False  # the main thread is gone: the process is exiting
         where = (id(frame.f_code), frame.f_lasti)
-        inside_torch = f"{os.sep}torch{os.sep}" in frame.f_code.co_filename or \
+        held = f"{os.sep}torch{os.sep}" in frame.f_code.co_filename or \
             frame.f_code in _PEER_WAITS
         now = time.monotonic()
-        if where != seen or not inside_torch:
+        if where != seen or not held:
             seen, still_since = where, now
         elif now - still_since >= stall_s:
             return True

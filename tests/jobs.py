@@ -33,6 +33,17 @@ def launch_job(tmp: Path, name: str, workers: int, launcher_args: Sequence[str],
     return json.loads((job_dir / "job.json").read_text()), out, job_dir
 
 
+def life_pid(job_dir: Path, replica: str, attempt: int = 1, restart: int = 0) -> int | None:
+    """The root pid of one life of ``replica``, from the launcher's processes.log (REPLICA
+    ATTEMPT RESTART PID TICKS, the root first); None until the launcher wrote it."""
+    try:
+        lines = (job_dir / "processes.log").read_text().splitlines()
+    except FileNotFoundError:
+        return None
+    key = [replica, str(attempt), str(restart)]
+    return next((int(f[3]) for f in map(str.split, lines) if f[:3] == key), None)
+
+
 def assert_same_end(clean: Path, faulted: Path, ranks: int) -> None:
     """The two runs ended bitwise alike: weights, and each rank's values and RNG draws."""
     for name in ["model.pt", *(f"rank{r}.pt" for r in range(ranks))]:

@@ -17,6 +17,7 @@ from datetime import datetime
 from pathlib import Path
 
 import pytest
+from jobs import life_pid
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -190,9 +191,8 @@ def _sigterm_once_blocked(job_dir: Path, proc: subprocess.Popen[str]) -> float:
         elif frozen and time.monotonic() - since >= 2.0:
             break
         time.sleep(0.05)
-    pid = next(int(f[3]) for f in (line.split() for line in
-                                   (job_dir / "processes.log").read_text().splitlines())
-               if f[:3] == ["workerpool0-0", "1", "0"])
+    pid = life_pid(job_dir, "workerpool0-0")
+    assert pid is not None
     sent = time.time()
     os.killpg(pid, signal.SIGTERM)
     return sent

@@ -15,6 +15,8 @@ import sys
 import time
 from pathlib import Path
 
+from jobs import life_pid
+
 SCRIPT = Path(__file__).resolve().parent / "workers" / "tutorial_snapshot.py"
 WORKER = "workerpool1-0"
 
@@ -39,14 +41,9 @@ def _kill_worker_after_its_snapshot(proc: subprocess.Popen[str], job_dir: Path) 
         assert proc.poll() is None, proc.communicate()[0]
         assert time.monotonic() < deadline, "the worker never saved its snapshot"
         time.sleep(0.05)
-    processes = job_dir / "processes.log"   # REPLICA ATTEMPT RESTART PID TICKS, root first
-    while True:
-        lines = [line.split() for line in processes.read_text().splitlines()]
-        pids = [int(f[3]) for f in lines if f[:3] == [WORKER, "1", "0"]]
-        if pids:
-            break
+    while (pid := life_pid(job_dir, WORKER)) is None:
         time.sleep(0.05)
-    os.kill(pids[0], signal.SIGKILL)
+    os.kill(pid, signal.SIGKILL)
 
 
 def _logs(job_dir: Path, replica: str) -> str:

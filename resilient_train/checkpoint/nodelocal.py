@@ -40,7 +40,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .. import __version__
-from ..cluster import NODE_LOCAL_DIR_ENV, ClusterInfo, ClusterSpecError
+from ..cluster import NODE_LOCAL_DIR_ENV, ClusterInfo
 from ..text import format_duration
 from ..validate import NONE, expect_type
 from .commit import committer_for, remove_crashed_saves
@@ -175,10 +175,8 @@ def _nth(k: int) -> str:
 def processes_on_this_machine() -> int:
     """How many training processes share this machine (``LOCAL_WORLD_SIZE``: torchrun's
     ``--nproc-per-node``); 1 where the environment does not say."""
-    try:
-        return ClusterInfo.from_env().local_world_size
-    except ClusterSpecError:   # a manager on a process group of the user's making
-        return 1
+    info = ClusterInfo.from_env_or_none()
+    return 1 if info is None else info.local_world_size
 
 
 def partner_file(rank: int) -> str:

@@ -70,14 +70,11 @@ def machine_key() -> str:
     """This process's machine, for the ring's placement: the host, and the replica (node)
     rank where the job says it (``GROUP_RANK``, or the replica of ``CLUSTER_SPEC``):
     replicas of a local launcher share a host but stand for separate machines."""
-    from ..cluster import ClusterInfo, ClusterSpecError
+    from ..cluster import ClusterInfo
 
     host = socket.gethostname()
-    try:
-        info = ClusterInfo.from_env()
-    except ClusterSpecError:   # a manager on a process group of the user's making
-        return host
-    return host if info.source == "standalone" else f"{host}#{info.group_rank}"
+    info = ClusterInfo.from_env_or_none()
+    return host if info is None or info.source == "standalone" else f"{host}#{info.group_rank}"
 
 
 def ring_order(machines: list[str]) -> list[int]:
