@@ -39,6 +39,7 @@ from .launcher.record import (
     fault_words,
     format_bytes,
     mask_command,
+    rank_names,
     read_job,
     read_recoveries,
     source_counts,
@@ -844,19 +845,19 @@ def _recoveries_section(recoveries: Sequence[Mapping[str, Any]], created: float)
         when = "\u2013" if t is None else _at(t - created)
         lost = rec.get("steps_lost")
         secs = rec.get("seconds")
-        ranks = []
-        for r in rec.get("ranks") or []:
+        ranks, why = [], []
+        for name, r in zip(rank_names(rec), rec.get("ranks") or []):
             source = str(r.get("source"))
             if r.get("from_rank") is not None:
                 source += f" (rank {r.get('from_rank')})"
             nbytes = sum(int(b or 0) for b in (r.get("bytes_read") or {}).values())
             took = "" if r.get("seconds") is None else f", {float(r['seconds']):.2f} s"
-            ranks.append(f'{_esc(r.get("replica"))}: {_esc(source)}, '
+            ranks.append(f'{_esc(name)}: {_esc(source)}, '
                          f'{_esc(format_bytes(nbytes))}{_esc(took)}')
+            if r.get("reason"):
+                why.append(_esc(f"{name}: {r.get('reason')}"))
         read = ", ".join(f"{tier} {format_bytes(float(b or 0))}"
                          for tier, b in (rec.get("bytes_read") or {}).items())
-        why = "<br/>".join(_esc(f"{r.get('replica')}: {r.get('reason')}")
-                           for r in rec.get("ranks") or [] if r.get("reason"))
         out.append(f'<tr><td class="num">{n}</td><td class="num">{_esc(when)}</td>'
                    f'<td class="num">{_esc(rec.get("attempt"))}</td>'
                    f'<td class="num">{_esc(rec.get("generation"))}</td>'
@@ -865,7 +866,7 @@ def _recoveries_section(recoveries: Sequence[Mapping[str, Any]], created: float)
                    f'<td class="num">{_esc("?" if lost is None else lost)}</td>'
                    f'<td class="num">{_esc("?" if secs is None else f"{float(secs):.2f}")}</td>'
                    f'<td>{_esc(source_counts(rec))}<br/>{"<br/>".join(ranks)}</td>'
-                   f'<td>{_esc(read)}</td><td>{why}</td></tr>')
+                   f'<td>{_esc(read)}</td><td>{"<br/>".join(why)}</td></tr>')
     out.append("</table>")
     return "\n".join(out)
 

@@ -152,7 +152,7 @@ class Context:
         if tele is not None:
             tele.begin_segment(start)   # the launcher's goodput accounting (telemetry.py)
             if mgr.last_restore is not None:   # the job record's recoveries
-                tele.event("restore", **asdict(mgr.last_restore),
+                tele.event("restore", **asdict(mgr.last_restore), rank=self.rank,
                            generation=getattr(group, "generation", 0))
         # torch installs its DataLoader SIGCHLD handler with the first multi-process
         # iterator: from then on a worker's death raises at a batch only (sigterm.py).

@@ -228,6 +228,8 @@ class Restore:
     seconds: float | None      # how long the restore took on this rank; None: not said
     bytes_read: tuple[tuple[str, int], ...]   # (tier, bytes), RESTORE_TIERS first
     reason: str                # why a faster tier could not be used; "" when it could
+    # The rank that restored: several processes of one replica (torchrun) share its file.
+    rank: int | None = None
 
     @property
     def read(self) -> dict[str, int]:
@@ -237,20 +239,21 @@ class Restore:
     @classmethod
     def from_json(cls, rec: dict[str, Any]) -> Restore:
         """From an event line; only ``t`` is required: a field left out reads as not said
-        (step 0, source "none", generation 0, seconds None, no bytes, no reason).
+        (step 0, source "none", generation 0, seconds None, no bytes, no reason, no rank).
         Raises ValueError, TypeError or KeyError for a line it cannot read."""
         raw = rec.get("bytes_read") or {}
         if not isinstance(raw, dict):
             raise TypeError(f"bytes_read is {type(raw).__name__}, not an object")
         tiers = [t for t in RESTORE_TIERS if t in raw] + sorted(set(raw) - set(RESTORE_TIERS))
-        from_rank, seconds = rec.get("from_rank"), rec.get("seconds")
+        from_rank, seconds, rank = rec.get("from_rank"), rec.get("seconds"), rec.get("rank")
         return cls(t=float(rec["t"]), step=int(rec.get("step") or 0),
                    source=str(rec.get("source") or "none"),
                    from_rank=None if from_rank is None else int(from_rank),
                    generation=int(rec.get("generation") or 0),
                    seconds=None if seconds is None else float(seconds),
                    bytes_read=tuple((str(t), int(raw[t] or 0)) for t in tiers),
-                   reason=str(rec.get("reason") or ""))
+                   reason=str(rec.get("reason") or ""),
+                   rank=None if rank is None else int(rank))
 
 
 @dataclass(frozen=True)

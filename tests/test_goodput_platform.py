@@ -227,7 +227,7 @@ def test_step_time_is_sampled_per_window_and_recoveries_once_complete(
         caplog: pytest.LogCaptureFixture) -> None:
     pytest.importorskip("tensorboard")
     monkeypatch.setattr(scalars_mod, "_POLL_S", 0.0)
-    scalars = JobScalars(ScalarWriter(str(tmp_path / "goodput")), ranks=2)
+    scalars = JobScalars(ScalarWriter(str(tmp_path / "goodput")), replicas=2)
     record = FakeRecord()
     t0 = 1_000_000.0
 

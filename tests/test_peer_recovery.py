@@ -320,6 +320,10 @@ def test_a_lost_machine_of_two_processes_restores_from_the_other_machines_memory
                              ["--chaos", "kill:workerpool1-0@step60"], script, program="bash")
     assert job["state"] == "JOB_STATE_SUCCEEDED", out[-3000:]
     [recovery] = job["recoveries"]
+    # One entry per process, though a replica's two processes share its telemetry.
+    assert [(r["replica"], r["rank"]) for r in recovery["ranks"]] == [
+        ("workerpool0-0", 0), ("workerpool0-0", 1), ("workerpool1-0", 2),
+        ("workerpool1-0", 3)], recovery
     assert {r["source"] for r in recovery["ranks"]} == {"peer"}, (recovery, out[-3000:])
     assert recovery["bytes_read"]["persistent"] == 0 and recovery["steps_lost"] <= 1, recovery
     assert "restoring from" not in out, out[-3000:]   # the fallback's line

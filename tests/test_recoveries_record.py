@@ -28,6 +28,7 @@ from resilient_train.launcher.policy import Cause
 from resilient_train.launcher.record import (
     TelemetryLife,
     job_recoveries,
+    rank_names,
     read_job,
     telemetry_lives,
     telemetry_prefix,
@@ -53,10 +54,12 @@ def _line(prefix: Path, kind: str, t: float, **fields: Any) -> None:
 def _restore(prefix: Path, t: float, step: int, source: str, generation: int, *,
              from_rank: int | None = None, seconds: float = 0.1,
              read: dict[str, int] | None = None, reason: str = "") -> None:
+    """A restore event; the rank is the replica's place, one process per replica."""
+    rank = [P0, P1, P2].index(prefix.name.split(".")[0])
     _line(prefix, "restore", t, step=step, source=source, from_rank=from_rank,
           generation=generation, seconds=seconds,
           bytes_read={"peer": 0, "node-local": 0, "persistent": 0, **(read or {})},
-          reason=reason)
+          reason=reason, rank=rank)
 
 
 def _segment(prefix: Path, first: int, last: int, t0: float, t1: float) -> None:
@@ -177,7 +180,8 @@ def test_each_recovery_is_one_entry_and_the_first_start_is_none(finished: Job) -
     assert peer["seconds"] == 0.84          # the slowest rank
     assert peer["bytes_read"] == {"peer": 5 * MIB, "node-local": 0, "persistent": 0}
     assert [r["replica"] for r in peer["ranks"]] == [P0, P1, P2]     # rank order
-    assert peer["ranks"][2] == {"replica": P2, "source": "peer", "from_rank": 1, "step": 80,
+    assert peer["ranks"][2] == {"replica": P2, "rank": 2, "source": "peer", "from_rank": 1,
+                                "step": 80,
                                 "bytes_read": {"peer": 5 * MIB, "node-local": 0,
                                                "persistent": 0},
                                 "seconds": 0.84, "reason": ""}
@@ -282,6 +286,27 @@ def test_a_first_start_that_restores_is_listed() -> None:
                                              (("persistent", MIB),), ""),)))]
     [rec] = job_recoveries(lives, [], [P0])
     assert (rec["attempt"], rec["generation"], rec["step"], rec["fault"]) == (1, 0, 500, None)
+
+
+def test_each_process_of_a_replica_is_its_own_rank_in_the_recovery(tmp_path: Path) -> None:
+    """torchrun's processes on one machine share the replica's telemetry file: each of
+    their restores is a rank of the recovery, named by its rank in the report, and the
+    replica's two ranks are not taken for one restarted twice."""
+    a, b = tmp_path / "attempt-1" / f"{P0}.restart-0", tmp_path / "attempt-1" / f"{P1}.restart-1"
+    for rank, prefix, source in ((0, a, "peer"), (1, a, "peer"), (2, b, "peer"),
+                                 (3, b, "persistent")):
+        _line(prefix, "restore", T0 + 10 + rank / 10, step=80, source=source,
+              from_rank=None if prefix == a else rank - 2, generation=1, seconds=0.5,
+              bytes_read={"persistent": MIB if source == "persistent" else 0},
+              reason="" if source == "peer" else "no survivor holds rank 3's RNG", rank=rank)
+    lives = [(TelemetryLife(1, P0, 0, a), read_life(a)), (TelemetryLife(1, P1, 1, b), read_life(b))]
+    [rec] = job_recoveries(lives, [], [P0, P1])
+    assert [(r["replica"], r["rank"], r["source"]) for r in rec["ranks"]] == [
+        (P0, 0, "peer"), (P0, 1, "peer"), (P1, 2, "peer"), (P1, 3, "persistent")]
+    assert rec["bytes_read"]["persistent"] == MIB
+    assert rank_names(rec) == [f"{P0} rank 0", f"{P0} rank 1", f"{P1} rank 2", f"{P1} rank 3"]
+    one_each = {**rec, "ranks": rec["ranks"][1:3]}   # one process per replica: no rank shown
+    assert rank_names(one_each) == [P0, P1]
 
 
 # --- reading the telemetry -------------------------------------------------------------------

@@ -73,8 +73,8 @@ def failures_path(job_dir: Path) -> Path:
 
 def telemetry_prefixes(job_dir: Path, replica: str) -> list[Path]:
     """Every life of ``replica`` that reported, in no particular order."""
-    found = {p.with_suffix("") for p in (job_dir / "telemetry").glob(f"attempt-*/{replica}.restart-*.*")
-             if p.suffix in (".progress", ".jsonl")}
+    lives = (job_dir / "telemetry").glob(f"attempt-*/{replica}.restart-*.*")
+    found = {p.with_suffix("") for p in lives if p.suffix in (".progress", ".jsonl")}
     return sorted(found)
 
 
@@ -186,44 +186,46 @@ def job_recoveries(lives: Iterable[tuple[TelemetryLife, LifeTelemetry]],
     """The record's ``recoveries``: one entry per (attempt, generation) with restore events,
     in time order, except the job's first start (generation 0 of ``first_attempt`` with
     every rank starting afresh). Pure: the telemetry and the events in, JSON out."""
-    groups: dict[tuple[int, int], dict[str, Restore]] = {}
+    # Per recovery, per (replica, rank): the processes of a replica (torchrun on a
+    # multi-GPU machine) share its telemetry, and each says where its own state came from.
+    groups: dict[tuple[int, int], dict[tuple[str, int | None], Restore]] = {}
     reached: list[tuple[float, int]] = []   # (when a segment reached its last step, step)
     for life, tel in lives:
         for r in tel.restores:
             group = groups.setdefault((life.attempt, r.generation), {})
-            old = group.get(life.replica)
+            old = group.get((life.replica, r.rank))
             # A replica restarted twice within one generation: the later restore is the
             # one it trained from.
             if old is None or r.t >= old.t:
-                group[life.replica] = r
+                group[life.replica, r.rank] = r
         reached += [(s.t_last if s.t_last is not None else s.t_start, s.last_step)
                     for s in tel.segments]
-    rank = {name: i for i, name in enumerate(replicas)}
+    order = {name: i for i, name in enumerate(replicas)}
     out: list[dict[str, Any]] = []
     used: set[int] = set()
     prev_at, prev_fault_t = -math.inf, None
-    for (attempt, generation), by_replica in sorted(
+    for (attempt, generation), by_rank in sorted(
             groups.items(), key=lambda kv: (min(r.t for r in kv[1].values()), kv[0])):
-        at = min(r.t for r in by_replica.values())
+        at = min(r.t for r in by_rank.values())
         if attempt == first_attempt and generation == 0 and all(
-                r.source == "none" for r in by_replica.values()):
+                r.source == "none" for r in by_rank.values()):
             prev_at = at   # the job's first start: no recovery, but a bound for the next
             continue
         fault_i = _fault_before(events, at, prev_at, prev_fault_t, used)
-        step = min(r.step for r in by_replica.values())
+        step = min(r.step for r in by_rank.values())
         # The steps lost: the furthest any rank got between the previous restore and this
         # one (a SIGKILLed life's last step is in its progress record), less the step
         # restored. Earlier stretches do not count: they were lost or kept before.
         before = [s for t, s in reached if prev_at < t <= at]
-        seconds = [r.seconds for r in by_replica.values() if r.seconds is not None]
-        ranks = [{"replica": name, "source": r.source, "from_rank": r.from_rank,
-                  "step": r.step, "bytes_read": r.read,
+        seconds = [r.seconds for r in by_rank.values() if r.seconds is not None]
+        ranks = [{"replica": name, "rank": r.rank, "source": r.source,
+                  "from_rank": r.from_rank, "step": r.step, "bytes_read": r.read,
                   "seconds": None if r.seconds is None else round(r.seconds, 3),
                   "reason": r.reason}
-                 for name, r in sorted(by_replica.items(),
-                                       key=lambda kv: (rank.get(kv[0], len(rank)), kv[0]))]
+                 for (name, _), r in sorted(by_rank.items(), key=lambda kv: (
+                     order.get(kv[0][0], len(order)), kv[0][0], kv[1].rank or 0))]
         total: Counter[str] = Counter(dict.fromkeys(RESTORE_TIERS, 0))
-        for r in by_replica.values():
+        for r in by_rank.values():
             total.update(r.read)
         out.append({
             "attempt": attempt, "generation": generation, "at": iso(at),
@@ -311,6 +313,16 @@ def fault_words(fault: Mapping[str, Any] | None) -> str:
     if code is not None:
         what += f" (exit {code})" if cause and cause != "exit" else f" exit {code}"
     return what
+
+
+def rank_names(rec: Mapping[str, Any]) -> list[str]:
+    """A name for each of a recovery's ``ranks``: its replica's, and its rank where the
+    replica runs several processes (``workerpool1-0 rank 1``)."""
+    ranks = rec.get("ranks") or []
+    several = len(ranks) > len({r.get("replica") for r in ranks})
+    return [f"{r.get('replica')} rank {r['rank']}"
+            if several and r.get("rank") is not None else str(r.get("replica"))
+            for r in ranks]
 
 
 def source_counts(rec: Mapping[str, Any]) -> str:

@@ -60,10 +60,10 @@ class TensorBoardUnavailable(Exception):
 
 
 def open_scalars(mode: TensorBoardMode, log_dir: str, job_dir: Path,
-                 ranks: int) -> JobScalars | None:
+                 replicas: int) -> JobScalars | None:
     """The job's scalars as ``mode`` decides for the log directory ``log_dir``; None when
-    none are written. ``job_dir``: where a URL's event file is kept; ``ranks``: the
-    training replicas (a recovery is complete when each has restored)."""
+    none are written. ``job_dir``: where a URL's event file is kept; ``replicas``: how
+    many train (a recovery is complete when each has restored)."""
     if mode is TensorBoardMode.OFF:
         return None
     if mode is TensorBoardMode.AUTO and is_url(log_dir):
@@ -83,16 +83,16 @@ def open_scalars(mode: TensorBoardMode, log_dir: str, job_dir: Path,
                 f"{INSTALL_HINT}") from None
         log.warning("no TensorBoard scalars: cannot import the tensorboard package: %s", exc)
         return None
-    return JobScalars(writer, ranks)
+    return JobScalars(writer, replicas)
 
 
 class JobScalars:
     """Writes one job's scalars; :meth:`poll` after each flush of the job record,
     :meth:`close` once the job is over."""
 
-    def __init__(self, writer: ScalarWriter, ranks: int) -> None:
+    def __init__(self, writer: ScalarWriter, replicas: int) -> None:
         self.writer = writer
-        self._ranks = ranks
+        self._replicas = replicas
         # Per segment (t_start, first_step): the last sample's (step, time, blocking_s).
         self._windows: dict[tuple[float, int], tuple[int, float, float]] = {}
         self._first_life = 0   # the primary's lives before it are written to their end
@@ -187,7 +187,8 @@ class JobScalars:
         for n in range(self._recoveries_written, len(recoveries)):
             rec = recoveries[n]
             complete = (final or n < len(recoveries) - 1
-                        or len(rec.get("ranks") or ()) >= self._ranks)
+                        or len({r.get("replica") for r in rec.get("ranks") or ()})
+                        >= self._replicas)
             if not complete:
                 return
             number, at = n + 1, epoch(rec.get("at"))
