@@ -33,6 +33,14 @@ def launch_job(tmp: Path, name: str, workers: int, launcher_args: Sequence[str],
     return json.loads((job_dir / "job.json").read_text()), out, job_dir
 
 
+def the_recovery(job: dict[str, Any], out: str) -> dict[str, Any]:
+    """The job record's one recovery; fails the test with the record's recoveries and the
+    launcher's output when there is not exactly one (say, a retry after an abort at exit)."""
+    recoveries = job.get("recoveries") or []
+    assert len(recoveries) == 1, (recoveries, out[-4000:])
+    return recoveries[0]
+
+
 def life_pid(job_dir: Path, replica: str, attempt: int = 1, restart: int = 0) -> int | None:
     """The root pid of one life of ``replica``, from the launcher's processes.log (REPLICA
     ATTEMPT RESTART PID TICKS, the root first); None until the launcher wrote it."""

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from jobs import assert_same_end, launch_job
+from jobs import assert_same_end, launch_job, the_recovery
 
 import resilient_train as rt
 from resilient_train.checkpoint.directory import SHARED_FILE
@@ -176,7 +176,7 @@ def test_every_worker_restarted_one_on_a_new_machine_resumes_from_the_others_dis
     job, out, faulted = launch(tmp_path, "faulted", "--restart-job-on-worker-restart",
                                "--chaos", "kill:workerpool1-0@step37")
     assert "workerpool1-0: restarted on a new VM" in out and "node-local disk" in out
-    [recovery] = job["recoveries"]
+    recovery = the_recovery(job, out)
     assert recovery["step"] == 35, recovery      # the last save before the kill
     assert {r["source"] for r in recovery["ranks"]} == {"node-local"}, recovery
     assert recovery["bytes_read"]["persistent"] == 0
@@ -186,7 +186,7 @@ def test_every_worker_restarted_one_on_a_new_machine_resumes_from_the_others_dis
     # restore (the ring still carries each rank's RNG and values to its neighbour's disk).
     monkeypatch.setenv("LOCAL_TIER_NO_PEER", "1")
     job, out, alone = launch(tmp_path, "no-peer", "--chaos", "kill:workerpool1-0@step37")
-    [recovery] = job["recoveries"]
+    recovery = the_recovery(job, out)
     assert recovery["step"] == 35, recovery
     assert {r["source"] for r in recovery["ranks"]} == {"node-local"}, recovery
     assert recovery["bytes_read"]["persistent"] == 0
@@ -206,7 +206,7 @@ def test_a_machine_of_two_processes_lost_resumes_from_the_other_machines_disk(
                                   "--chaos", "kill:workerpool1-0@step35"],
         [str(HERE / "workers" / "torchrun_peer_ddp.sh"), "100", "10", "0.05"], program="bash")
     assert "node-local checkpoint of step" not in out, out[-3000:]   # none failed
-    [recovery] = job["recoveries"]
+    recovery = the_recovery(job, out)
     # The last save before the kill landed: the launcher reads step 35 from the telemetry,
     # and on loaded cores the ranks may be past the save of step 40 by then.
     assert 30 <= recovery["step"] < 100, recovery

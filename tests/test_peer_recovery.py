@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from jobs import assert_same_end, launch_job
+from jobs import assert_same_end, launch_job, the_recovery
 
 from resilient_train import sigterm
 from resilient_train.checkpoint.directory import (
@@ -319,7 +319,7 @@ def test_a_lost_machine_of_two_processes_restores_from_the_other_machines_memory
     job, out, _ = launch_job(tmp_path, "machines", 2,
                              ["--chaos", "kill:workerpool1-0@step60"], script, program="bash")
     assert job["state"] == "JOB_STATE_SUCCEEDED", out[-3000:]
-    [recovery] = job["recoveries"]
+    recovery = the_recovery(job, out)
     # One entry per process, though a replica's two processes share its telemetry.
     assert [(r["replica"], r["rank"]) for r in recovery["ranks"]] == [
         ("workerpool0-0", 0), ("workerpool0-0", 1), ("workerpool1-0", 2),
@@ -441,7 +441,7 @@ def test_an_fsdp2_job_rebuilds_a_lost_ranks_shard_from_its_neighbours_memory(
     job, out, faulted = launch_job(tmp_path, "faulted", 3,
                                    ["--chaos", "kill:workerpool1-0@step33"], script)
     assert job["state"] == "JOB_STATE_SUCCEEDED", out[-3000:]
-    [recovery] = job["recoveries"]
+    recovery = the_recovery(job, out)
     assert recovery["step"] == 30, recovery
     assert {r["source"] for r in recovery["ranks"]} == {"peer"}, recovery
     assert recovery["bytes_read"]["persistent"] == 0, recovery
