@@ -150,9 +150,9 @@ class Context:
             log.info("resuming after step %d", start)
         mgr, group, tele = self.checkpoints, self.group, _telemetry()
         if tele is not None:
-            tele.begin_segment(start)   # the launcher's goodput accounting (telemetry.py)
+            tele.begin_segment(start, self.rank)   # the launcher's goodput (telemetry.py)
             if mgr.last_restore is not None:   # the job record's recoveries
-                tele.event("restore", **asdict(mgr.last_restore), rank=self.rank,
+                tele.event("restore", **asdict(mgr.last_restore),
                            generation=getattr(group, "generation", 0))
         # torch installs its DataLoader SIGCHLD handler with the first multi-process
         # iterator: from then on a worker's death raises at a batch only (sigterm.py).

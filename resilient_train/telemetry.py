@@ -9,7 +9,10 @@ worker writes two files there:
   SIGKILL the launcher still reads the exact last step;
 - ``PREFIX.jsonl``: rare events, one JSON object per line: a training *segment* closed (at
   an in-process recovery), a save and its blocking time, a commit, a *restore* (where the
-  rank's state came from, per life or re-forming: :class:`Restore`).
+  rank's state came from, per life or re-forming: :class:`Restore`). Each carries the
+  writer's ``rank``: torchrun's processes on one machine inherit their replica's prefix
+  and share its files. They step together, so the readers take the replica's segments
+  and saves from its lowest rank alone, and every rank's restore.
 
 A segment is one stretch of training: it starts after a restore (``first_step`` = the step
 restored, 0 for a fresh start) and ends when the process dies or the group re-forms.
@@ -131,6 +134,7 @@ class Telemetry:
         self._events = open(f"{self.prefix}.jsonl", "a", encoding="utf-8")  # noqa: SIM115
         self._lock = threading.Lock()   # the checkpoint writer thread reports commits
         self._seg: list[Any] | None = None
+        self._rank: int | None = None   # this process's, once a segment began
 
     @classmethod
     def from_env(cls) -> Telemetry | None:
@@ -145,9 +149,11 @@ class Telemetry:
 
     # --- the training loop's calls ----------------------------------------------------
 
-    def begin_segment(self, restored_step: int) -> None:
-        """Training (re)starts after restoring ``restored_step``: close the previous segment."""
+    def begin_segment(self, restored_step: int, rank: int | None = None) -> None:
+        """Training (re)starts after restoring ``restored_step``: close the previous segment.
+        ``rank``: this process's, which every event from now on carries."""
         self._close_segment()
+        self._rank = rank
         now = time.time()
         self._seg = [restored_step, restored_step, now, None, None, 0.0]
         self._store()
@@ -174,7 +180,8 @@ class Telemetry:
         self.event("save", step=step, blocking_s=blocking_s)
 
     def event(self, kind: str, **fields: Any) -> None:
-        line = json.dumps({"kind": kind, "t": time.time(), **fields})
+        tag = {} if self._rank is None else {"rank": self._rank}
+        line = json.dumps({"kind": kind, "t": time.time(), **tag, **fields})
         with self._lock:
             if not self._events.closed:
                 self._events.write(line + "\n")
@@ -298,8 +305,9 @@ class LifeReader:
 
     def _reset(self) -> None:
         self._offset = 0          # bytes of the log parsed so far (whole lines only)
-        self._segments: list[Segment] = []
-        self._saves: list[tuple[float, int, float]] = []
+        # Per writing rank (-1: not said): the processes sharing a replica's file.
+        self._segments: dict[int, list[Segment]] = {}
+        self._saves: dict[int, list[tuple[float, int, float]]] = {}
         self._restores: list[Restore] = []
 
     def update(self, *, final: bool = False) -> bool:
@@ -330,10 +338,13 @@ class LifeReader:
         try:
             rec = json.loads(raw.decode("utf-8", errors="replace"))
             kind = rec.get("kind") if isinstance(rec, dict) else None
+            rank = -1 if not isinstance(rec, dict) or rec.get("rank") is None else int(rec["rank"])
             if kind == "segment":
-                self._segments.append(Segment(**{k: rec[k] for k in Segment.__dataclass_fields__}))
+                self._segments.setdefault(rank, []).append(
+                    Segment(**{k: rec[k] for k in Segment.__dataclass_fields__}))
             elif kind == "save":
-                self._saves.append((float(rec["t"]), int(rec["step"]), float(rec["blocking_s"])))
+                self._saves.setdefault(rank, []).append(
+                    (float(rec["t"]), int(rec["step"]), float(rec["blocking_s"])))
             elif kind == "restore":
                 self._restores.append(Restore.from_json(rec))
             else:
@@ -348,12 +359,15 @@ class LifeReader:
 
     def life(self) -> LifeTelemetry:
         """What was parsed so far, plus the segment still open in the progress record
-        (read now: it is the exact last step even of a SIGKILLed life)."""
-        segments = list(self._segments)
+        (read now: it is the exact last step even of a SIGKILLed life). Of several processes
+        sharing the file, the lowest rank's segments and saves: they are the replica's."""
+        voice = min(self._segments.keys() | self._saves.keys(), default=-1)
+        segments = list(self._segments.get(voice, ()))
         seg = _open_segment(self.prefix)
         if seg is not None:
             segments.append(seg)
-        return LifeTelemetry(tuple(segments), tuple(self._saves), tuple(self._restores))
+        return LifeTelemetry(tuple(segments), tuple(self._saves.get(voice, ())),
+                             tuple(self._restores))
 
 
 def read_life(prefix: str | os.PathLike[str]) -> LifeTelemetry:

@@ -106,6 +106,25 @@ def test_processes_sharing_a_prefix_never_truncate_each_others_record(
     second.close()
 
 
+def test_a_replicas_processes_sharing_its_file_count_its_steps_once(tmp_path: Path) -> None:
+    # torchrun's two processes of one replica write one file. Read as one writer, their two
+    # segments 0..60 looked like 60 steps trained twice: a 2x2 job that lost no step
+    # reported 100 steps lost, and 3 recoveries for 1.
+    ranks = [Telemetry(tmp_path / "life") for _ in range(2)]
+    for rank, tel in enumerate(ranks):
+        tel.begin_segment(0, rank=rank)
+        tel.step(10)
+        tel.saved(10, 0.25)
+        tel.event("restore", step=0, source="none", generation=0)
+    for tel in ranks:
+        tel.step(60)
+        tel.close()
+    life = read_life(tmp_path / "life")
+    assert [(s.first_step, s.last_step) for s in life.segments] == [(0, 60)]
+    assert [s[1:] for s in life.saves] == [(10, 0.25)]
+    assert [r.rank for r in life.restores] == [0, 1]   # each process's restore is its own
+
+
 def _epoch(iso: str) -> float:
     return datetime.datetime.fromisoformat(iso.replace("Z", "+00:00")).timestamp()
 

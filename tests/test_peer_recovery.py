@@ -326,6 +326,9 @@ def test_a_lost_machine_of_two_processes_restores_from_the_other_machines_memory
         ("workerpool1-0", 3)], recovery
     assert {r["source"] for r in recovery["ranks"]} == {"peer"}, (recovery, out[-3000:])
     assert recovery["bytes_read"]["persistent"] == 0 and recovery["steps_lost"] <= 1, recovery
+    # Goodput counts each replica's steps once, though its two processes report them.
+    goodput = job["goodput"]
+    assert goodput["recoveries"] == 1 and goodput["steps_lost"] <= 1, goodput
     assert "restoring from" not in out, out[-3000:]   # the fallback's line
     resumed = re.findall(r"rank (\d): resumed from step (\d+) \(from (.*?)\)", out)
     assert sorted(r for r, _, _ in resumed) == ["0", "1", "2", "3"], resumed
