@@ -5,6 +5,13 @@
 #
 #   resilient-train launch --workers 2 -- bash examples/torchrun_replica.sh
 #   resilient-train launch --workers 2 --gpus-per-worker 2 -- bash examples/torchrun_replica.sh   # on a GPU node
+#
+# torchrun's agents rendezvous among themselves: when the first machine alone restarts, its
+# new agent waits for the others' agents, which never come back, and the job hangs. Where
+# the script does not need torchrun, `resilient-train spawn` starts the same processes
+# without that rendezvous (docs/launcher.md, "Several processes per machine"):
+#
+#   resilient-train launch --workers 2 -- resilient-train spawn --nproc-per-node 2 -- python examples/train_demo.py
 set -euo pipefail
 nproc="${NPROC_PER_NODE:-2}"
 if [ -n "${CUDA_VISIBLE_DEVICES:-}" ]; then

@@ -257,6 +257,23 @@ def _parser() -> argparse.ArgumentParser:
     rp.add_argument("job_dir", type=Path)
     rp.add_argument("-o", "--output", type=Path, metavar="FILE",
                     help="where to write it (default JOB_DIR/report.html)")
+
+    wp = sub.add_parser(
+        "spawn", help="run a replica's processes, one per GPU, in place of torchrun",
+        usage="resilient-train spawn [--nproc-per-node N|gpu|auto] -- COMMAND [ARGS...]",
+        description="Start this machine's training processes with torchrun's variables, "
+        "computed from the replica's place in the job (CLUSTER_SPEC, or RANK and "
+        "WORLD_SIZE), and no agent rendezvous: a restarted first machine rejoins the job, "
+        "where torchrun's would wait for agents that never come back. Signals are passed "
+        "on; when one process fails the others are stopped, and the exit status is the "
+        "failed process's.")
+    wp.add_argument("--nproc-per-node", "--nproc_per_node", default="auto", metavar="N",
+                    help="processes on this machine: a number, 'gpu' (one per GPU) or "
+                    "'auto' (one per GPU, else 1; the default)")
+    wp.add_argument("--stop-grace", type=_duration, default=30.0, metavar="SECONDS",
+                    help="after a process failed: how long the others have between SIGTERM "
+                    "and SIGKILL (default 30s)")
+    wp.add_argument("command", nargs=argparse.REMAINDER, help="the program and its arguments")
     return p
 
 
@@ -277,7 +294,30 @@ def main(argv: Sequence[str] | None = None) -> int:
         return run_checkpoints(args)
     if args.cmd == "report":
         return _report(args)
+    if args.cmd == "spawn":
+        return _spawn(args)
     return _status(args)
+
+
+def _spawn(args: argparse.Namespace) -> int:
+    from .spawn import SpawnError, SpawnOptions, parse_nproc, spawn
+
+    # One line per state change, named as the launcher names its own.
+    handler = logging.StreamHandler()
+    handler.setFormatter(logging.Formatter("[spawn] %(message)s"))
+    log = logging.getLogger("resilient_train.spawn")
+    log.addHandler(handler)
+    log.setLevel(logging.INFO)
+    log.propagate = False
+    command = list(args.command)
+    if command and command[0] == "--":
+        command = command[1:]
+    try:
+        options = SpawnOptions(parse_nproc(args.nproc_per_node), args.stop_grace)
+        return spawn(command, options)
+    except SpawnError as exc:
+        print(f"resilient-train spawn: {exc}", file=sys.stderr)
+        return EXIT_USAGE
 
 
 def _launch(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
@@ -608,9 +648,9 @@ def _status(args: argparse.Namespace) -> int:
 
 def _local_status(args: argparse.Namespace) -> int:
     from .launcher.events import Event
+    from .launcher.jobrecord import launcher_alive
     from .launcher.messages import JobState
     from .launcher.record import describe_recovery, read_job, read_recoveries
-    from .launcher.jobrecord import launcher_alive
 
     try:
         job = read_job(args.job_dir)

@@ -1,0 +1,212 @@
+"""``resilient-train spawn``: a replica's training processes, one per GPU, without torchrun's
+agent.
+
+On a multi-GPU machine each replica runs several processes. torchrun starts them, but its
+agents also meet each other (its static rendezvous: the first machine's agent hosts a store
+and waits until every machine's agent has joined it). When the first machine alone is
+restarted (a maintenance move, a node loss), its new agent waits for agents that never
+come again: the others joined once and now only watch their processes. The job hangs
+until torchrun's rendezvous timeout, then fails; and torchrun exits 1 where its process
+exited 134, which hides from the platform what it needs to decide a restart.
+
+``spawn`` gives each process torchrun's variables (``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``,
+``LOCAL_WORLD_SIZE``, ``GROUP_RANK``, ``GROUP_WORLD_SIZE``, ``MASTER_ADDR``,
+``MASTER_PORT``), computed from the replica's own (the platform's ``CLUSTER_SPEC``, or
+``RANK`` and ``WORLD_SIZE``), and leaves the meeting to the processes: under ``@rt.main``
+the group re-forms whichever machine restarts. It supervises as torchrun does with no
+restarts of its own: SIGTERM and SIGINT are passed on (the platform signals the
+container's first process only); when a process fails, the others get SIGTERM, and SIGKILL
+after ``stop_grace_s``; and ``spawn`` exits with the first failed process's status (128 +
+N for a signal N), so a 134 reaches the platform as a 134.
+
+No torch import: it runs first on every (re)started machine.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import subprocess
+import threading
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from .cluster import NON_TRAINING_RANK, ClusterInfo, ClusterSpecError
+
+log = logging.getLogger(__name__)
+
+# The variables of torchrun's agent, which a process started here must not believe in.
+_AGENT_ONLY = ("TORCHELASTIC_USE_AGENT_STORE", "TORCHELASTIC_ERROR_FILE")
+
+
+class SpawnError(ValueError):
+    """``spawn`` cannot start this replica's processes: the message says why and the fix."""
+
+
+@dataclass(frozen=True)
+class SpawnOptions:
+    nproc: int                   # processes on this machine
+    stop_grace_s: float = 30.0   # after one failed: SIGTERM to the rest, SIGKILL this late
+
+
+def count_gpus(dev: Path = Path("/dev")) -> int:
+    """GPUs this machine shows: ``CUDA_VISIBLE_DEVICES``'s entries where it is set, else
+    NVIDIA's device files (no CUDA initialised, no torch imported)."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None:
+        return len([d for d in visible.split(",") if d.strip() and d.strip() != "-1"])
+    return sum(1 for p in dev.glob("nvidia*") if p.name[6:].isdigit())
+
+
+def parse_nproc(text: str, gpus: int | None = None) -> int:
+    """``--nproc-per-node``: a number, ``gpu`` (one per GPU, at least one GPU) or ``auto``
+    (one per GPU, else 1)."""
+    if text in ("gpu", "auto"):
+        n = count_gpus() if gpus is None else gpus
+        if n == 0 and text == "gpu":
+            raise SpawnError("--nproc-per-node gpu: this machine shows no GPU "
+                             "(CUDA_VISIBLE_DEVICES, /dev/nvidia*); give a number instead")
+        return max(1, n)
+    try:
+        n = int(text)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise SpawnError(f"--nproc-per-node {text!r}: expected a positive number, 'gpu' "
+                         "or 'auto'")
+    return n
+
+
+def process_envs(env: Mapping[str, str], nproc: int) -> list[dict[str, str]]:
+    """The environment of each of this replica's ``nproc`` processes, from the replica's
+    own: ranks ``group_rank * nproc + i`` of ``replicas * nproc``."""
+    try:
+        info = ClusterInfo.from_env(env)
+    except ClusterSpecError as exc:
+        raise SpawnError(f"spawn cannot tell this replica's place in the job: {exc}") from None
+    if info.local_world_size > 1:
+        raise SpawnError(
+            f"spawn runs once per machine, and this process is already one of "
+            f"LOCAL_WORLD_SIZE={info.local_world_size} (under torchrun, or a second spawn): "
+            "run spawn as the replica's command instead of torchrun")
+    if info.rank == NON_TRAINING_RANK:
+        raise SpawnError(
+            f"{info.replica_name} is not a training replica (a reduction server or an "
+            "evaluator): run its program directly, not under spawn")
+    # One process per replica here: the replica's rank and the replicas' count.
+    node, nodes = info.group_rank, info.world_size
+    base = {k: v for k, v in env.items() if k not in _AGENT_ONLY}
+    if nproc > 1:
+        # As torchrun: N processes each starting a thread per core would thrash.
+        base.setdefault("OMP_NUM_THREADS", "1")
+    return [{**base,
+             "RANK": str(node * nproc + i), "LOCAL_RANK": str(i),
+             "WORLD_SIZE": str(nodes * nproc), "LOCAL_WORLD_SIZE": str(nproc),
+             "GROUP_RANK": str(node), "GROUP_WORLD_SIZE": str(nodes),
+             "ROLE_RANK": str(node * nproc + i), "ROLE_WORLD_SIZE": str(nodes * nproc),
+             "MASTER_ADDR": info.master_addr, "MASTER_PORT": str(info.master_port)}
+            for i in range(nproc)]
+
+
+def exit_status(wait_status: int) -> int:
+    """A waited status as a shell reports it: the exit code, or 128 + N for signal N."""
+    code = os.waitstatus_to_exitcode(wait_status)
+    return 128 - code if code < 0 else code
+
+
+class Supervisor:
+    """Starts the processes and waits for them; see the module's docstring."""
+
+    def __init__(self, command: Sequence[str], envs: Sequence[Mapping[str, str]],
+                 options: SpawnOptions) -> None:
+        self.command = list(command)
+        self.envs = envs
+        self.options = options
+        self.running: dict[int, int] = {}   # pid -> local rank
+        # Kept: a Popen dropped while its process runs is polled, and maybe reaped, by
+        # the next Popen's clean-up, and its exit would never reach the wait here.
+        self._procs: list[subprocess.Popen[bytes]] = []
+        # Re-entrant: the signal handler takes it in the thread that may hold it.
+        self._lock = threading.RLock()
+        self._killer: threading.Timer | None = None
+        self._signalled = False   # a SIGTERM or SIGINT was passed on: the rest stop anyway
+
+    def run(self) -> int:
+        """Every process's end; the first failure's status, or 0 when all succeeded."""
+        old = {sig: signal.signal(sig, self._forward) for sig in (signal.SIGTERM, signal.SIGINT)}
+        try:
+            for i, env in enumerate(self.envs):
+                proc = subprocess.Popen(self.command, env=dict(env))
+                self._procs.append(proc)
+                self.running[proc.pid] = i
+            ranks = f"{self.envs[0]['RANK']}-{self.envs[-1]['RANK']}"
+            log.info("started %d processes: ranks %s of %s", len(self.envs), ranks,
+                     self.envs[0]["WORLD_SIZE"])
+            return self._wait()
+        finally:
+            for sig, handler in old.items():
+                signal.signal(sig, handler)
+            if self._killer is not None:
+                self._killer.cancel()
+
+    def _wait(self) -> int:
+        failed: int | None = None
+        while self.running:
+            try:
+                pid, status = os.waitpid(-1, 0)
+            except ChildProcessError:   # reaped elsewhere: nothing left to wait for
+                break
+            with self._lock:
+                local = self.running.pop(pid, None)
+            if local is None:
+                continue
+            code = exit_status(status)
+            if code == 0:
+                log.info("local process %d exited 0", local)
+                continue
+            if failed is None:
+                failed = code
+                if self.running and not self._signalled:
+                    log.warning("local process %d exited %d: stopping the other %d (SIGTERM, "
+                                "SIGKILL after %g s)", local, code, len(self.running),
+                                self.options.stop_grace_s)
+                    self._stop_rest()
+                else:
+                    log.warning("local process %d exited %d", local, code)
+            else:
+                log.info("local process %d exited %d", local, code)
+        return failed or 0
+
+    def _stop_rest(self) -> None:
+        self._signal(signal.SIGTERM)
+        self._killer = threading.Timer(self.options.stop_grace_s, self._signal,
+                                       args=(signal.SIGKILL,))
+        self._killer.daemon = True
+        self._killer.start()
+
+    def _forward(self, signum: int, frame: object) -> None:
+        log.info("%s: passing it on to %d processes", signal.Signals(signum).name,
+                 len(self.running))
+        self._signalled = True
+        self._signal(signum)
+
+    def _signal(self, sig: int) -> None:
+        with self._lock:
+            pids = list(self.running)
+        for pid in pids:
+            try:
+                os.kill(pid, sig)
+            except ProcessLookupError:   # exited, not yet reaped
+                pass
+
+
+def spawn(command: Sequence[str], options: SpawnOptions,
+          env: Mapping[str, str] | None = None) -> int:
+    """Run ``command`` as this replica's ``options.nproc`` processes; their exit status."""
+    if not command:
+        raise SpawnError("spawn needs a command, e.g. resilient-train spawn "
+                         "--nproc-per-node 8 -- python train.py")
+    envs = process_envs(os.environ if env is None else env, options.nproc)
+    return Supervisor(command, envs, options).run()

@@ -1,0 +1,188 @@
+"""``resilient-train spawn``: a replica's processes with torchrun's variables and no agent
+rendezvous, so that a restarted first machine rejoins the job (under torchrun its new
+agent waited for agents that never came back: the job hung).
+
+The environment is computed from the replica's own; the supervision (signals passed on,
+the others stopped when one fails, the failed one's status) is checked on real processes;
+and a 2x2 job under the launcher loses its first machine to a maintenance move and
+recovers from the other machine's memory.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+from jobs import launch_job, the_recovery
+
+from resilient_train.cluster import cluster_spec_json
+from resilient_train.spawn import SpawnError, count_gpus, parse_nproc, process_envs
+
+HERE = Path(__file__).resolve().parent
+CLUSTER = {"workerpool0": ["h0:2222"], "workerpool1": ["h1:2222"],
+           "workerpool3": ["h3:2222"]}
+
+
+def _machine(pool: str, index: int, **extra: str) -> dict[str, str]:
+    """A replica's environment as the launcher gives it (the platform's, plus torchrun's)."""
+    return {"CLUSTER_SPEC": cluster_spec_json(CLUSTER, pool, index), "PATH": "/bin",
+            **extra}
+
+
+def test_each_process_gets_its_rank_in_the_whole_job() -> None:
+    envs = process_envs(_machine("workerpool1", 0, RANK="1", GROUP_RANK="1", WORLD_SIZE="2",
+                                 MASTER_ADDR="10.0.0.2", MASTER_PORT="2222",
+                                 LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",
+                                 TORCHELASTIC_USE_AGENT_STORE="True"), 2)
+    keys = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK",
+            "GROUP_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+    assert [tuple(e[k] for k in keys) for e in envs] == [
+        ("2", "0", "4", "2", "1", "2", "10.0.0.2", "2222"),
+        ("3", "1", "4", "2", "1", "2", "10.0.0.2", "2222")]
+    # torchrun's agent store is not there to use; the user's variables pass through.
+    assert all("TORCHELASTIC_USE_AGENT_STORE" not in e and e["PATH"] == "/bin" for e in envs)
+    assert {e["OMP_NUM_THREADS"] for e in envs} == {"1"}
+
+
+def test_the_cluster_spec_alone_places_the_replica() -> None:
+    # A custom container gets CLUSTER_SPEC and no RANK: the primary pool comes first.
+    [env] = process_envs(_machine("workerpool1", 0), 1)
+    assert (env["RANK"], env["WORLD_SIZE"], env["GROUP_RANK"]) == ("1", "2", "1")
+    assert (env["MASTER_ADDR"], env["MASTER_PORT"]) == ("h0", "2222")
+    assert "OMP_NUM_THREADS" not in env   # one process: the machine's cores are its own
+
+
+@pytest.mark.parametrize(("env", "says"), [
+    (_machine("workerpool0", 0, LOCAL_WORLD_SIZE="2", LOCAL_RANK="1", RANK="1",
+              WORLD_SIZE="2"), "instead of torchrun"),
+    (_machine("workerpool3", 0), "not a training replica"),
+    ({"CLUSTER_SPEC": "{not json"}, "place in the job"),
+])
+def test_a_replica_spawn_cannot_place_is_refused_saying_why(env: dict[str, str],
+                                                           says: str) -> None:
+    with pytest.raises(SpawnError, match=says):
+        process_envs(env, 2)
+
+
+def test_nproc_is_a_number_or_the_gpus(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    assert parse_nproc("3") == 3
+    assert parse_nproc("auto", gpus=0) == 1 and parse_nproc("auto", gpus=8) == 8
+    assert parse_nproc("gpu", gpus=4) == 4
+    with pytest.raises(SpawnError, match="shows no GPU"):
+        parse_nproc("gpu", gpus=0)
+    for bad in ("0", "-1", "two"):
+        with pytest.raises(SpawnError, match="positive number"):
+            parse_nproc(bad)
+    for name in ("nvidia0", "nvidia1", "nvidiactl", "nvidia-uvm"):
+        (tmp_path / name).touch()
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    assert count_gpus(tmp_path) == 2
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3,5,7")
+    assert count_gpus(tmp_path) == 3
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    assert count_gpus(tmp_path) == 0
+
+
+# --- supervision, on real processes -----------------------------------------------------------
+
+CHILD = textwrap.dedent("""
+    import json, os, signal, sys, time
+    from pathlib import Path
+    out, local = Path(sys.argv[1]), os.environ["LOCAL_RANK"]
+    behaviour = json.loads(sys.argv[2])[int(local)]
+
+    def on_term(signum, frame):
+        (out / f"term-{local}").touch()
+        if behaviour != "ignore-term":
+            sys.exit(134)   # as an emergency save ends
+    signal.signal(signal.SIGTERM, on_term)
+    (out / f"env-{local}").write_text(json.dumps(dict(os.environ)))
+    if behaviour.startswith("exit"):
+        sys.exit(int(behaviour[4:]))
+    while True:
+        time.sleep(0.05)
+""")
+
+
+def _spawn(tmp_path: Path, behaviours: list[str], *extra: str) -> subprocess.Popen[str]:
+    (tmp_path / "child.py").write_text(CHILD)
+    env = dict(os.environ, RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
+               MASTER_PORT="29999")
+    for k in ("LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "CLUSTER_SPEC", "TF_CONFIG"):
+        env.pop(k, None)
+    return subprocess.Popen(
+        [sys.executable, "-m", "resilient_train.cli", "spawn", "--nproc-per-node",
+         str(len(behaviours)), *extra, "--", sys.executable, str(tmp_path / "child.py"),
+         str(tmp_path), json.dumps(behaviours)],
+        env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def _wait_for(paths: list[Path], proc: subprocess.Popen[str], within: float = 60) -> None:
+    deadline = time.monotonic() + within
+    while not all(p.exists() for p in paths):
+        assert proc.poll() is None, proc.communicate()[0]
+        assert time.monotonic() < deadline, [p.name for p in paths if not p.exists()]
+        time.sleep(0.05)
+
+
+def test_a_failed_process_stops_the_others_and_its_status_is_spawns(tmp_path: Path) -> None:
+    proc = _spawn(tmp_path, ["run", "exit3"])
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 3, out
+    assert (tmp_path / "term-0").exists(), out      # the survivor was told to stop
+    assert "local process 1 exited 3: stopping the other 1" in out
+    assert "local process 0 exited 134" in out
+    env = json.loads((tmp_path / "env-1").read_text())
+    assert (env["RANK"], env["LOCAL_RANK"], env["WORLD_SIZE"]) == ("1", "1", "2")
+
+
+def test_a_sigterm_is_passed_on_and_the_emergency_exit_is_kept(tmp_path: Path) -> None:
+    proc = _spawn(tmp_path, ["run", "run"])
+    _wait_for([tmp_path / "env-0", tmp_path / "env-1"], proc)
+    proc.send_signal(signal.SIGTERM)   # the platform signals the container's first process
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 134, out   # torchrun made it 1
+    assert (tmp_path / "term-0").exists() and (tmp_path / "term-1").exists(), out
+    assert "SIGTERM: passing it on to 2 processes" in out
+
+
+def test_a_process_deaf_to_sigterm_is_killed_after_the_grace(tmp_path: Path) -> None:
+    proc = _spawn(tmp_path, ["ignore-term", "exit5"], "--stop-grace", "1")
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 5, out
+    assert (tmp_path / "term-0").exists(), out
+    assert "local process 0 exited 137" in out   # 128 + SIGKILL
+
+
+def test_without_a_command_spawn_says_how_to_call_it(tmp_path: Path) -> None:
+    done = subprocess.run([sys.executable, "-m", "resilient_train.cli", "spawn"],
+                          capture_output=True, text=True, timeout=60, check=False)
+    assert done.returncode == 2 and "spawn needs a command" in done.stderr, done.stderr
+
+
+# --- under the launcher ---------------------------------------------------------------------
+
+@pytest.mark.slow
+def test_a_first_machine_moved_for_maintenance_rejoins_and_restores_from_peers(
+        tmp_path: Path) -> None:
+    """Two machines of two processes; the first (the primary's, which hosts the store) is
+    moved for maintenance. Under torchrun its new agent waited for the other machine's
+    agent forever; under spawn every process resumes, each from memory."""
+    script = ["-m", "resilient_train.cli", "spawn", "--nproc-per-node", "2", "--",
+              sys.executable, str(HERE.parent / "examples" / "train_demo.py"),
+              "--steps", "100"]
+    job, out, _ = launch_job(tmp_path, "spawned", 2,
+                             ["--chaos", "maintenance:workerpool0-0@step40"], script)
+    assert job["state"] == "JOB_STATE_SUCCEEDED", out[-3000:]
+    assert "workerpool0-0: exited with status 134 (maintenance)" in out, out[-3000:]
+    recovery = the_recovery(job, out)
+    assert [r["rank"] for r in recovery["ranks"]] == [0, 1, 2, 3], recovery
+    assert {r["source"] for r in recovery["ranks"]} == {"peer"}, recovery
+    assert recovery["steps_lost"] <= 1 and recovery["bytes_read"]["persistent"] == 0, recovery
