@@ -105,6 +105,9 @@ CHILD = textwrap.dedent("""
     signal.signal(signal.SIGTERM, on_term)
     (out / f"env-{local}").write_text(json.dumps(dict(os.environ)))
     if behaviour.startswith("exit"):
+        # Once every process listens for SIGTERM: one that does not yet would die of it.
+        while len(list(out.glob("env-*"))) < int(os.environ["LOCAL_WORLD_SIZE"]):
+            time.sleep(0.01)
         sys.exit(int(behaviour[4:]))
     while True:
         time.sleep(0.05)
