@@ -90,6 +90,18 @@ def test_nproc_is_a_number_or_the_gpus(tmp_path: Path, monkeypatch: pytest.Monke
     assert count_gpus(tmp_path) == 0
 
 
+def test_a_survivor_under_torchrun_says_a_lost_first_machine_may_not_come_back() -> None:
+    from resilient_train.distributed.group import store_gone_message
+
+    plain = store_gone_message("workerpool1-0", "10.0.0.2:2222", "workerpool0-0", 0)
+    assert plain.endswith("waiting for it to come back"), plain
+    assert store_gone_message("workerpool1-0", "h:1", "workerpool0-0", 1) == \
+        plain.replace("10.0.0.2:2222", "h:1")   # torchrun on one machine: nothing to add
+    hint = store_gone_message("workerpool1-0/local0", "h:1", "workerpool0-0/local0", 2)
+    assert "waits for the other machines' agents" in hint
+    assert "resilient-train spawn --nproc-per-node N" in hint
+
+
 # --- supervision, on real processes -----------------------------------------------------------
 
 CHILD = textwrap.dedent("""

@@ -166,6 +166,8 @@ class DistributedGroup:
             self.device = torch.device("cpu")
         self.name_of = replica_namer(info)
         agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
+        # torchrun's agents on several machines: a lost store may never come back (below).
+        self._torchrun_machines = _env_int("GROUP_WORLD_SIZE", 1) if agent_store else 0
         # Under torchrun the agent hosts the store and restarts every worker on a failure:
         # one namespace per restart round. Elsewhere rank 0 hosts it.
         # The job's id in the namespace: a worker that reaches another job's store (a port
@@ -286,9 +288,9 @@ class DistributedGroup:
                        self.replica_name, self.generation, reason)
         self._teardown(self.replica_name)
         if not self._store_alive():
-            logger.warning("%s: the rendezvous store at %s:%d is gone (the primary %s stopped "
-                           "or restarted); waiting for it to come back", self.replica_name,
-                           self.info.master_addr, self.info.master_port, self.name_of(0))
+            logger.warning("%s", store_gone_message(
+                self.replica_name, f"{self.info.master_addr}:{self.info.master_port}",
+                self.name_of(0), self._torchrun_machines))
             self._rdzv.store = None
         self._peer_lost.clear()
         self._peer_reason = ""
@@ -526,6 +528,30 @@ class DistributedGroup:
             self.shutdown(wait_for_peers=False)
         except Exception:  # at interpreter exit: nothing useful to do with an error
             pass
+
+
+def store_gone_message(who: str, address: str, primary: str, torchrun_machines: int) -> str:
+    """What a survivor says when the rendezvous store is gone. Under torchrun on several
+    machines the store is the first machine's agent's, and when that machine alone
+    restarts, its new agent waits for the other machines' agents, which never meet again:
+    the job hangs until torchrun's rendezvous timeout. Say so, and what to use instead."""
+    line = (f"{who}: the rendezvous store at {address} is gone (the primary {primary} stopped "
+            "or restarted); waiting for it to come back")
+    if torchrun_machines > 1:
+        line += ("; under torchrun it may not: the first machine's new torchrun agent waits "
+                 "for the other machines' agents, which do not meet again (the job then hangs "
+                 "until torchrun's rendezvous timeout, 600 s by default). Start the "
+                 "processes with `resilient-train spawn --nproc-per-node N -- python "
+                 "train.py` instead of torchrun (docs/launcher.md, \"Several processes per "
+                 "machine\")")
+    return line
+
+
+def _env_int(name: str, default: int) -> int:
+    try:
+        return int(os.environ.get(name, default))
+    except ValueError:
+        return default
 
 
 def _reset_group_names() -> None:
