@@ -19,6 +19,10 @@ container's first process only); when a process fails, the others get SIGTERM, a
 after ``stop_grace_s``; and ``spawn`` exits with the first failed process's status (128 +
 N for a signal N), so a 134 reaches the platform as a 134.
 
+Error reports: where the replica has one (``TORCHELASTIC_ERROR_FILE``, which the platform's
+containers and the launcher read for a failure's reason), each process writes its own, and
+the first failed process's becomes the replica's, as torchrun's agent does.
+
 No torch import: it runs first on every (re)started machine.
 """
 
@@ -26,19 +30,22 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 import signal
 import subprocess
+import tempfile
 import threading
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 from .cluster import NON_TRAINING_RANK, ClusterInfo, ClusterSpecError
+from .errors import ERROR_FILE_ENV
 
 log = logging.getLogger(__name__)
 
-# The variables of torchrun's agent, which a process started here must not believe in.
-_AGENT_ONLY = ("TORCHELASTIC_USE_AGENT_STORE", "TORCHELASTIC_ERROR_FILE")
+# torchrun's agent's store: not there for a process started here.
+_AGENT_ONLY = ("TORCHELASTIC_USE_AGENT_STORE",)
 
 
 class SpawnError(ValueError):
@@ -79,9 +86,11 @@ def parse_nproc(text: str, gpus: int | None = None) -> int:
     return n
 
 
-def process_envs(env: Mapping[str, str], nproc: int) -> list[dict[str, str]]:
+def process_envs(env: Mapping[str, str], nproc: int,
+                 reports: Sequence[Path] = ()) -> list[dict[str, str]]:
     """The environment of each of this replica's ``nproc`` processes, from the replica's
-    own: ranks ``group_rank * nproc + i`` of ``replicas * nproc``."""
+    own: ranks ``group_rank * nproc + i`` of ``replicas * nproc``; process i's error report
+    goes to ``reports[i]`` where given."""
     try:
         info = ClusterInfo.from_env(env)
     except ClusterSpecError as exc:
@@ -106,7 +115,8 @@ def process_envs(env: Mapping[str, str], nproc: int) -> list[dict[str, str]]:
              "WORLD_SIZE": str(nodes * nproc), "LOCAL_WORLD_SIZE": str(nproc),
              "GROUP_RANK": str(node), "GROUP_WORLD_SIZE": str(nodes),
              "ROLE_RANK": str(node * nproc + i), "ROLE_WORLD_SIZE": str(nodes * nproc),
-             "MASTER_ADDR": info.master_addr, "MASTER_PORT": str(info.master_port)}
+             "MASTER_ADDR": info.master_addr, "MASTER_PORT": str(info.master_port),
+             **({ERROR_FILE_ENV: str(reports[i])} if reports else {})}
             for i in range(nproc)]
 
 
@@ -120,10 +130,11 @@ class Supervisor:
     """Starts the processes and waits for them; see the module's docstring."""
 
     def __init__(self, command: Sequence[str], envs: Sequence[Mapping[str, str]],
-                 options: SpawnOptions) -> None:
+                 options: SpawnOptions, report: str | None = None) -> None:
         self.command = list(command)
         self.envs = envs
         self.options = options
+        self.report = report   # the replica's error report: the first failed process's
         self.running: dict[int, int] = {}   # pid -> local rank
         # Kept: a Popen dropped while its process runs is polled, and maybe reaped, by
         # the next Popen's clean-up, and its exit would never reach the wait here.
@@ -168,6 +179,7 @@ class Supervisor:
                 continue
             if failed is None:
                 failed = code
+                self._hand_up_report(local)
                 if self.running and not self._signalled:
                     log.warning("local process %d exited %d: stopping the other %d (SIGTERM, "
                                 "SIGKILL after %g s)", local, code, len(self.running),
@@ -178,6 +190,18 @@ class Supervisor:
             else:
                 log.info("local process %d exited %d", local, code)
         return failed or 0
+
+    def _hand_up_report(self, local: int) -> None:
+        """The failed process's error report becomes the replica's (first error wins)."""
+        theirs = self.envs[local].get(ERROR_FILE_ENV)
+        if not self.report or not theirs or not os.path.exists(theirs):
+            return   # none written: killed, say; the exit status says what is known
+        tmp = f"{self.report}.spawn.tmp"
+        try:
+            shutil.copyfile(theirs, tmp)
+            os.replace(tmp, self.report)   # a reader sees no report or the whole one
+        except OSError as exc:
+            log.warning("could not pass on local process %d's error report: %s", local, exc)
 
     def _stop_rest(self) -> None:
         self._signal(signal.SIGTERM)
@@ -208,5 +232,9 @@ def spawn(command: Sequence[str], options: SpawnOptions,
     if not command:
         raise SpawnError("spawn needs a command, e.g. resilient-train spawn "
                          "--nproc-per-node 8 -- python train.py")
-    envs = process_envs(os.environ if env is None else env, options.nproc)
-    return Supervisor(command, envs, options).run()
+    env = os.environ if env is None else env
+    report = env.get(ERROR_FILE_ENV) or None
+    with tempfile.TemporaryDirectory(prefix="rt-spawn-") as tmp:
+        reports = [Path(tmp) / f"local{i}.json" for i in range(options.nproc)] if report else []
+        envs = process_envs(env, options.nproc, reports)
+        return Supervisor(command, envs, options, report).run()

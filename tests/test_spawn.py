@@ -49,6 +49,9 @@ def test_each_process_gets_its_rank_in_the_whole_job() -> None:
     # torchrun's agent store is not there to use; the user's variables pass through.
     assert all("TORCHELASTIC_USE_AGENT_STORE" not in e and e["PATH"] == "/bin" for e in envs)
     assert {e["OMP_NUM_THREADS"] for e in envs} == {"1"}
+    # Each process writes its own error report where it is told to.
+    reported = process_envs(_machine("workerpool0", 0), 2, [Path("/r/0"), Path("/r/1")])
+    assert [e["TORCHELASTIC_ERROR_FILE"] for e in reported] == ["/r/0", "/r/1"]
 
 
 def test_the_cluster_spec_alone_places_the_replica() -> None:
@@ -201,3 +204,24 @@ def test_a_first_machine_moved_for_maintenance_rejoins_and_restores_from_peers(
     assert [r["rank"] for r in recovery["ranks"]] == [0, 1, 2, 3], recovery
     assert {r["source"] for r in recovery["ranks"]} == {"peer"}, recovery
     assert recovery["steps_lost"] <= 1 and recovery["bytes_read"]["persistent"] == 0, recovery
+
+
+@pytest.mark.slow
+def test_a_bug_in_one_process_fails_the_job_with_its_own_message(tmp_path: Path) -> None:
+    """Each process writes its own error report, and the failed one's becomes the
+    replica's: the job record says which bug it was, as with one process per replica."""
+    script = ["-m", "resilient_train.cli", "spawn", "--nproc-per-node", "2", "--",
+              sys.executable, str(HERE.parent / "examples" / "train_charlm.py"),
+              "--steps", "50", "--bug-at-step", "5"]
+    proc = subprocess.run(
+        [sys.executable, "-m", "resilient_train.cli", "launch", "--workers", "2",
+         "--job-dir", str(tmp_path / "job"), "--", sys.executable, *script],
+        env=dict(os.environ, RESILIENT_TRAIN_QUOTA_DIR=str(tmp_path / "quota")),
+        cwd=tmp_path, capture_output=True, text=True, timeout=300, check=False)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 1, out[-3000:]
+    job = json.loads((tmp_path / "job" / "job.json").read_text())
+    assert (job["state"], job["error"]["code"]) == ("JOB_STATE_FAILED", 3), out[-3000:]
+    assert job["error"]["message"].splitlines()[-1] == (
+        "ValueError: a bug at step 5: the tokenizer returned an empty batch"), job["error"]
+    assert "local process 1 exited 1: stopping the other 1" in out, out[-3000:]
