@@ -142,16 +142,25 @@ class Supervisor:
         # Re-entrant: the signal handler takes it in the thread that may hold it.
         self._lock = threading.RLock()
         self._killer: threading.Timer | None = None
-        self._signalled = False   # a SIGTERM or SIGINT was passed on: the rest stop anyway
+        # The SIGTERM or SIGINT passed on, if one was: the rest stop anyway.
+        self._signalled: int | None = None
 
     def run(self) -> int:
         """Every process's end; the first failure's status, or 0 when all succeeded."""
         old = {sig: signal.signal(sig, self._forward) for sig in (signal.SIGTERM, signal.SIGINT)}
         try:
             for i, env in enumerate(self.envs):
-                proc = subprocess.Popen(self.command, env=dict(env))
+                try:
+                    proc = subprocess.Popen(self.command, env=dict(env))
+                except OSError as exc:
+                    self._signal(signal.SIGKILL)   # those started: nothing to save yet
+                    self._wait()
+                    raise SpawnError(f"cannot run {self.command[0]!r}: {exc.strerror or exc}; "
+                                     "check the command after --") from None
                 self._procs.append(proc)
                 self.running[proc.pid] = i
+            if self._signalled is not None:   # a signal came while they were starting
+                self._signal(self._signalled)
             ranks = f"{self.envs[0]['RANK']}-{self.envs[-1]['RANK']}"
             log.info("started %d processes: ranks %s of %s", len(self.envs), ranks,
                      self.envs[0]["WORLD_SIZE"])
@@ -180,7 +189,7 @@ class Supervisor:
             if failed is None:
                 failed = code
                 self._hand_up_report(local)
-                if self.running and not self._signalled:
+                if self.running and self._signalled is None:
                     log.warning("local process %d exited %d: stopping the other %d (SIGTERM, "
                                 "SIGKILL after %g s)", local, code, len(self.running),
                                 self.options.stop_grace_s)
@@ -213,7 +222,7 @@ class Supervisor:
     def _forward(self, signum: int, frame: object) -> None:
         log.info("%s: passing it on to %d processes", signal.Signals(signum).name,
                  len(self.running))
-        self._signalled = True
+        self._signalled = signum
         self._signal(signum)
 
     def _signal(self, sig: int) -> None:

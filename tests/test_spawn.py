@@ -183,6 +183,12 @@ def test_without_a_command_spawn_says_how_to_call_it(tmp_path: Path) -> None:
     done = subprocess.run([sys.executable, "-m", "resilient_train.cli", "spawn"],
                           capture_output=True, text=True, timeout=60, check=False)
     assert done.returncode == 2 and "spawn needs a command" in done.stderr, done.stderr
+    done = subprocess.run([sys.executable, "-m", "resilient_train.cli", "spawn", "--",
+                           "no-such-program-here"], capture_output=True, text=True,
+                          timeout=60, check=False, env=dict(os.environ, RANK="0",
+                                                            WORLD_SIZE="1"))
+    assert done.returncode == 2, done.stderr
+    assert "cannot run 'no-such-program-here': No such file or directory" in done.stderr
 
 
 # --- under the launcher ---------------------------------------------------------------------
