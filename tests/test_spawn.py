@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 
 import pytest
-from jobs import launch_job, the_recovery
+from jobs import assert_same_end, launch_job, the_recovery
 
 from resilient_train.cluster import cluster_spec_json
 from resilient_train.spawn import SpawnError, count_gpus, parse_nproc, process_envs
@@ -194,22 +194,26 @@ def test_without_a_command_spawn_says_how_to_call_it(tmp_path: Path) -> None:
 # --- under the launcher ---------------------------------------------------------------------
 
 @pytest.mark.slow
-def test_a_first_machine_moved_for_maintenance_rejoins_and_restores_from_peers(
-        tmp_path: Path) -> None:
-    """Two machines of two processes; the first (the primary's, which hosts the store) is
-    moved for maintenance. Under torchrun its new agent waited for the other machine's
-    agent forever; under spawn every process resumes, each from memory."""
+def test_a_first_machine_moved_for_maintenance_rejoins_and_ends_bitwise(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two machines of two processes, FSDP2: the first machine (the primary's, which hosts
+    the store) is moved for maintenance. Under torchrun its new agent waited for the other
+    machine's agent forever; under spawn it keeps the 134 of the emergency save, every
+    process resumes from memory (its shards from the other machine), and the run ends
+    bitwise equal to one without faults."""
+    monkeypatch.setenv("PEER_DDP_FSDP", "1")
     script = ["-m", "resilient_train.cli", "spawn", "--nproc-per-node", "2", "--",
-              sys.executable, str(HERE.parent / "examples" / "train_demo.py"),
-              "--steps", "100"]
-    job, out, _ = launch_job(tmp_path, "spawned", 2,
-                             ["--chaos", "maintenance:workerpool0-0@step40"], script)
+              sys.executable, str(HERE / "workers" / "peer_ddp.py"), "60", "10", "0.03"]
+    _, _, clean = launch_job(tmp_path, "clean", 2, [], script)
+    job, out, faulted = launch_job(tmp_path, "spawned", 2,
+                                   ["--chaos", "maintenance:workerpool0-0@step33"], script)
     assert job["state"] == "JOB_STATE_SUCCEEDED", out[-3000:]
     assert "workerpool0-0: exited with status 134 (maintenance)" in out, out[-3000:]
     recovery = the_recovery(job, out)
     assert [r["rank"] for r in recovery["ranks"]] == [0, 1, 2, 3], recovery
     assert {r["source"] for r in recovery["ranks"]} == {"peer"}, recovery
     assert recovery["steps_lost"] <= 1 and recovery["bytes_read"]["persistent"] == 0, recovery
+    assert_same_end(clean, faulted, ranks=4)
 
 
 @pytest.mark.slow
