@@ -168,7 +168,9 @@ class Telemetry:
         if seg[3] is None:
             seg[3] = now
             self._store()
-        else:
+        elif _TAIL.unpack_from(self._map, _TAIL_AT)[0] < done:
+            # torchrun's processes of a replica share the record, one of them up to a step
+            # ahead of the other (they step together): it keeps the replica's furthest step.
             _TAIL.pack_into(self._map, _TAIL_AT, done, now)
 
     def saved(self, step: int, blocking_s: float) -> None:

@@ -17,7 +17,7 @@ import pytest
 
 from resilient_train import cli
 from resilient_train.goodput import account
-from resilient_train.telemetry import Segment, Telemetry, read_life
+from resilient_train.telemetry import Segment, Telemetry, read_life, read_step
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -116,6 +116,10 @@ def test_a_replicas_processes_sharing_its_file_count_its_steps_once(tmp_path: Pa
         tel.step(10)
         tel.saved(10, 0.25)
         tel.event("restore", step=0, source="none", generation=0)
+    # The one ahead wrote step 11 first; the other's 10 does not take the record back.
+    ranks[0].step(11)
+    ranks[1].step(10)
+    assert read_step(tmp_path / "life") == 11
     for tel in ranks:
         tel.step(60)
         tel.close()
