@@ -92,6 +92,8 @@ BENCHES: list[Bench] = [
           ["--steps", "1000", "--charlm-steps", "60"], [], quick_timeout=900),
     Bench("overlap", "bench_overlap.py", "Overlapped snapshot against the blocking copy",
           ["--saves", "4", "--state-mb", "256"], [], quick_timeout=900),
+    Bench("spawn", "bench_spawn.py", "Several processes per machine: resilient-train spawn "
+          "against torchrun when a machine is lost", [], [], quick_timeout=900),
     # --quick (5-7 min): 0.13 GiB of state per rank, not 0.5 (the full size: 15-18 min).
     Bench("recovery", "bench_recovery.py", "Recovery after a worker's death: from live "
           "peers, from gs://, and under torchrun", ["--quick"], [], quick_timeout=900),
@@ -774,6 +776,29 @@ def section_overlap(d: dict[str, Any]) -> Section:
     return "\n".join(md), {}
 
 
+def section_spawn(d: dict[str, Any]) -> Section:
+    cfg = d.get("config") or {}
+    rows = []
+    for arm, r in (d.get("arms") or {}).items():
+        for k in r.get("rows") or []:
+            lost = k.get("steps_lost")
+            rows.append([arm, f"{k.get('replica')} at step {k.get('at_step')}",
+                         fnum(k.get("recovery_s"), 2) if k.get("recovered")
+                         else f"did not train again ({k.get('why')})",
+                         "" if lost is None or not k.get("recovered") else str(max(0, lost))])
+        rows.append([arm, "the job", f"{r.get('state')} in {fnum(r.get('wall_s'), 1)} s", ""])
+    md = [(f"One launcher job per arm: 2 machines x 2 processes of examples/train_demo.py, "
+           f"{cfg.get('steps', '?')} steps, `{cfg.get('kills', '?')}`, job timeout "
+           f"{fnum(cfg.get('timeout_s'), 0)} s. Seconds: the kill -> every machine finished "
+           "a step again (telemetry). torchrun: examples/torchrun_replica.sh with its "
+           "defaults; its first machine, restarted alone, waits in torchrun's rendezvous "
+           "for the other machine's agent (600 s by default). Steps lost are 0 where the "
+           "state restored is newer than the victim's last reported step: a kill between "
+           "the all-reduce and the step's end, whose step the survivors' copies hold."), "",
+          md_table(["arm", "kill", "seconds", "steps lost"], rows)]
+    return "\n".join(md), {}
+
+
 def section_recovery(d: dict[str, Any]) -> Section:
     import bench_recovery   # renders its own JSON
 
@@ -785,6 +810,7 @@ SECTIONS: dict[str, Callable[[dict[str, Any]], Section]] = {
     "runtime": section_runtime, "launcher": section_launcher, "goodput": section_goodput,
     "soak": section_soak, "gcs_streams": section_gcs_streams,
     "recovery": section_recovery, "peers": section_peers, "overlap": section_overlap,
+    "spawn": section_spawn,
 }
 
 
