@@ -830,8 +830,8 @@ def _recoveries_section(recoveries: Sequence[Mapping[str, Any]], created: float)
         out.append('<p class="note">No recovery: no rank restored state after the job\'s '
                    'first start (or the script does not report restores).</p>')
         return "\n".join(out)
-    out.append('<p class="note">One row per re-forming of the process group or job retry '
-               '(attempt, generation): the step every rank restored (the lowest), the steps '
+    out.append('<p class="note">One row per re-forming of the process group, restart of '
+               'every worker or job retry: the step every rank restored (the lowest), the steps '
                'computed again, the slowest rank\'s restore time, where each rank\'s state '
                'came from, the bytes read per storage tier, and why a faster tier could not '
                'serve a rank.</p>')

@@ -278,6 +278,34 @@ def test_two_faults_before_the_first_restore_are_put_down_to_one_recovery_each()
     assert recs[1]["ranks"][2]["replica"] == P2
 
 
+def test_lives_that_all_start_afresh_are_one_recovery_each() -> None:
+    """A single worker restarted twice, or every worker under restartJobOnWorkerRestart:
+    each new life starts at generation 0 of the same attempt. Keyed by (attempt,
+    generation) alone, both restarts and the first start were one group, and the record
+    showed one recovery: the last."""
+    def ev(kind: EventKind, t: float, **fields: Any) -> Event:
+        return Event(kind, T0 + t, t, f"{kind.value} {fields}", 1, **fields)
+
+    def life(replica: str, restart: int, t: float, step: int) -> tuple[
+            TelemetryLife, LifeTelemetry]:
+        source = "persistent" if step else "none"
+        return (TelemetryLife(1, replica, restart, Path(f"{replica}.{restart}")),
+                LifeTelemetry((), (), (Restore(T0 + t, step, source, None, 0, 0.1, (), "",
+                                               rank=[P0, P1].index(replica)),)))
+
+    events = [e for t in (10.0, 20.0) for e in (
+        ev(EventKind.EXITED, t, replica=P0, exit_code=137, cause="node_loss"),
+        ev(EventKind.DECISION, t, replica=P0, action="restart_worker", cause="node_loss"))]
+    alone = job_recoveries([life(P0, 0, 1.0, 0), life(P0, 1, 11.0, 40), life(P0, 2, 21.0, 90)],
+                           events, [P0])
+    assert [(r["generation"], r["step"]) for r in alone] == [(0, 40), (0, 90)], alone
+    both = job_recoveries([life(r, n, t + i / 10, s) for n, t, s in ((0, 1.0, 0), (1, 11.0, 40),
+                                                                    (2, 21.0, 90))
+                           for i, r in enumerate((P0, P1))], events, [P0, P1])
+    assert [(r["step"], [x["replica"] for x in r["ranks"]]) for r in both] == [
+        (40, [P0, P1]), (90, [P0, P1])], both
+
+
 def test_a_first_start_that_restores_is_listed() -> None:
     """Generation 0 of the first attempt is left out only when every rank started afresh:
     a job launched over checkpoints it finds restores, and that is shown."""

@@ -3,6 +3,7 @@ record's ``recoveries`` (from the workers' restore events, :func:`job_recoveries
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import os
@@ -171,9 +172,12 @@ def mask_command(argv: Iterable[str]) -> list[str]:
 # --- recoveries: what each one restored, from where, and what it cost ---------------------
 #
 # Every rank writes one restore event per life, or per in-process re-forming of the group
-# (telemetry.Restore). The events of one recovery share (attempt, generation): the
-# survivors re-form at the next generation and a restarted worker joins it, and a job retry
-# starts again at generation 0 of the next attempt.
+# (telemetry.Restore). The events of one recovery share (attempt, generation, round): the
+# survivors re-form at the next generation and a restarted worker joins it (round 0), and a
+# job retry starts again at generation 0 of the next attempt. Lives that all start afresh
+# within one attempt (the only worker restarted, or every worker under
+# restartJobOnWorkerRestart) each begin at generation 0 again: the round, a replica's
+# n-th life in the attempt, tells those restarts apart.
 
 # Decisions after which the job goes on: each is followed by a restore somewhere.
 _ENDING_ACTIONS = frozenset({"succeed_job", "worker_done", "fail_job"})
@@ -183,16 +187,21 @@ _FAULT_KINDS = (EventKind.FAULT, EventKind.STOCKOUT, EventKind.TIMEOUT)
 def job_recoveries(lives: Iterable[tuple[TelemetryLife, LifeTelemetry]],
                    events: Sequence[Event], replicas: Sequence[str],
                    first_attempt: int = 1) -> list[dict[str, Any]]:
-    """The record's ``recoveries``: one entry per (attempt, generation) with restore events,
+    """The record's ``recoveries``: one entry per (attempt, generation, round) with restores,
     in time order, except the job's first start (generation 0 of ``first_attempt`` with
     every rank starting afresh). Pure: the telemetry and the events in, JSON out."""
     # Per recovery, per (replica, rank): the processes of a replica (torchrun on a
     # multi-GPU machine) share its telemetry, and each says where its own state came from.
-    groups: dict[tuple[int, int], dict[tuple[str, int | None], Restore]] = {}
+    groups: dict[tuple[int, int, int], dict[tuple[str, int | None], Restore]] = {}
     reached: list[tuple[float, int]] = []   # (when a segment reached its last step, step)
+    lives = sorted(lives, key=lambda lt: (lt[0].attempt, lt[0].replica, lt[0].restart))
+    rounds = {life: n for _, same in itertools.groupby(
+        (life for life, _ in lives), key=lambda life: (life.attempt, life.replica))
+        for n, life in enumerate(same)}
     for life, tel in lives:
         for r in tel.restores:
-            group = groups.setdefault((life.attempt, r.generation), {})
+            key = (life.attempt, r.generation, rounds[life] if r.generation == 0 else 0)
+            group = groups.setdefault(key, {})
             old = group.get((life.replica, r.rank))
             # A replica restarted twice within one generation: the later restore is the
             # one it trained from.
@@ -204,10 +213,10 @@ def job_recoveries(lives: Iterable[tuple[TelemetryLife, LifeTelemetry]],
     out: list[dict[str, Any]] = []
     used: set[int] = set()
     prev_at, prev_fault_t = -math.inf, None
-    for (attempt, generation), by_rank in sorted(
+    for (attempt, generation, round_), by_rank in sorted(
             groups.items(), key=lambda kv: (min(r.t for r in kv[1].values()), kv[0])):
         at = min(r.t for r in by_rank.values())
-        if attempt == first_attempt and generation == 0 and all(
+        if attempt == first_attempt and generation == 0 and round_ == 0 and all(
                 r.source == "none" for r in by_rank.values()):
             prev_at = at   # the job's first start: no recovery, but a bound for the next
             continue
