@@ -152,9 +152,11 @@ def test_corrupt_ledger_is_logged_and_empty(
 def test_leases_never_overcommit(tmp_path_factory: pytest.TempPathFactory, ops: list) -> None:
     quota = LocalQuota(tmp_path_factory.mktemp("q"), CAP)
     held: list[Lease] = []
-    for acquire, gpus, cpus, pick in ops:
+    # A job id per acquisition, as launches have: two leases of one id, no GPUs and no
+    # CPU slots are equal, and releasing one took the first where the model popped another.
+    for n, (acquire, gpus, cpus, pick) in enumerate(ops):
         if acquire or not held:
-            lease = quota.try_acquire(f"j{len(held)}", Request(gpus=gpus, cpu_slots=cpus))
+            lease = quota.try_acquire(f"j{n}", Request(gpus=gpus, cpu_slots=cpus))
             if lease is not None:
                 held.append(lease)
         else:
