@@ -299,6 +299,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     return _status(args)
 
 
+def _command(args: argparse.Namespace) -> list[str]:
+    """The command after ``--`` (argparse's REMAINDER keeps the ``--`` itself)."""
+    command = list(args.command)
+    return command[1:] if command and command[0] == "--" else command
+
+
 def _spawn(args: argparse.Namespace) -> int:
     from .spawn import SpawnError, SpawnOptions, parse_nproc, spawn
 
@@ -309,9 +315,7 @@ def _spawn(args: argparse.Namespace) -> int:
     log.addHandler(handler)
     log.setLevel(logging.INFO)
     log.propagate = False
-    command = list(args.command)
-    if command and command[0] == "--":
-        command = command[1:]
+    command = _command(args)
     try:
         options = SpawnOptions(parse_nproc(args.nproc_per_node), args.stop_grace)
         return spawn(command, options)
@@ -327,9 +331,7 @@ def _launch(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     from .launcher.policy import PolicyError
     from .launcher.runner import Launcher, LaunchError
 
-    command = list(args.command)
-    if command and command[0] == "--":
-        command = command[1:]
+    command = _command(args)
     if not command and args.job_spec is None:
         parser.error("launch needs a command after --, e.g. "
                      "resilient-train launch -- python train.py")
@@ -504,9 +506,7 @@ def _exported_job(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
     from .launcher.record import read_job
     from .launcher.runner import LaunchError
 
-    command = list(args.command)
-    if command and command[0] == "--":
-        command = command[1:]
+    command = _command(args)
     if args.from_job is None and not command and args.job_spec is None:
         parser.error(f"{args.cmd} needs the launch's options and command, e.g. resilient-train "
                      f"{args.cmd} --image URI -- python train.py, or --from-job JOB_DIR")

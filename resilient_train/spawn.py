@@ -40,7 +40,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .cluster import NON_TRAINING_RANK, ClusterInfo, ClusterSpecError
-from .errors import ERROR_FILE_ENV
+from .errors import ERROR_FILE_ENV, exit_code_for
 
 log = logging.getLogger(__name__)
 
@@ -120,12 +120,6 @@ def process_envs(env: Mapping[str, str], nproc: int,
             for i in range(nproc)]
 
 
-def exit_status(wait_status: int) -> int:
-    """A waited status as a shell reports it: the exit code, or 128 + N for signal N."""
-    code = os.waitstatus_to_exitcode(wait_status)
-    return 128 - code if code < 0 else code
-
-
 class Supervisor:
     """Starts the processes and waits for them; see the module's docstring."""
 
@@ -182,7 +176,7 @@ class Supervisor:
                 local = self.running.pop(pid, None)
             if local is None:
                 continue
-            code = exit_status(status)
+            code = exit_code_for(os.waitstatus_to_exitcode(status))
             if code == 0:
                 log.info("local process %d exited 0", local)
                 continue

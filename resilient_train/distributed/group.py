@@ -37,6 +37,7 @@ from .hang import HangWatchdog, report_and_exit
 from .rendezvous import Rendezvous
 from .resolve import Resolver
 from .sever import Baseline, sever_gloo
+from .storeauth import agent_hosts_store
 
 logger = logging.getLogger(__name__)
 
@@ -165,9 +166,7 @@ class DistributedGroup:
         else:
             self.device = torch.device("cpu")
         self.name_of = replica_namer(info)
-        agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
-        # torchrun's agents on several machines: a lost store may never come back (below).
-        self._torchrun_machines = _env_int("GROUP_WORLD_SIZE", 1) if agent_store else 0
+        agent_store = agent_hosts_store()
         # Under torchrun the agent hosts the store and restarts every worker on a failure:
         # one namespace per restart round. Elsewhere rank 0 hosts it.
         # The job's id in the namespace: a worker that reaches another job's store (a port
@@ -288,9 +287,11 @@ class DistributedGroup:
                        self.replica_name, self.generation, reason)
         self._teardown(self.replica_name)
         if not self._store_alive():
+            # torchrun's agents on several machines: the store may never come back.
+            machines = self.info.world_size // self.info.local_world_size
             logger.warning("%s", store_gone_message(
                 self.replica_name, f"{self.info.master_addr}:{self.info.master_port}",
-                self.name_of(0), self._torchrun_machines))
+                self.name_of(0), machines if agent_hosts_store() else 0))
             self._rdzv.store = None
         self._peer_lost.clear()
         self._peer_reason = ""
@@ -545,13 +546,6 @@ def store_gone_message(who: str, address: str, primary: str, torchrun_machines: 
                  "train.py` instead of torchrun (docs/launcher.md, \"Several processes per "
                  "machine\")")
     return line
-
-
-def _env_int(name: str, default: int) -> int:
-    try:
-        return int(os.environ.get(name, default))
-    except ValueError:
-        return default
 
 
 def _reset_group_names() -> None:
