@@ -402,9 +402,11 @@ def test_three_workers_survive_every_kind_of_fault_in_one_run_and_end_bitwise(
         assert all(e["bytes_read"]["persistent"] == 0 for e in recovery)
         receivers = [e for e in recovery if e["from_rank"] is not None]
         assert len(receivers) >= 1 and all(e["bytes_read"]["peer"] > 0 for e in receivers)
-    # Peers restore the step the primary had reached (checkpoints are every 25 steps).
-    assert [r[0]["step"] for r in in_memory[:2]] in ([20, 35], [21, 35], [20, 36],
-                                                     [21, 36]), events
+    # Peers restore the step the victim had reached, not the checkpoint (every 25 steps).
+    # The kill fires once the launcher reads the step from the telemetry: on loaded cores
+    # the ranks may have finished one or two more steps before the SIGKILL lands.
+    first, second = (r[0]["step"] for r in in_memory[:2])
+    assert 20 <= first <= 22 and 35 <= second <= 37, events
     retried = [e for e in events if "attempt-2" in e["life"]]
     assert len(retried) == 3 and {e["source"] for e in retried} == {"persistent"}, events
     assert len({e["step"] for e in retried}) == 1 and retried[0]["step"] >= 65, events
