@@ -223,3 +223,22 @@ def test_a_blocking_save_of_a_meta_tensor_is_a_clear_error(tmp_path: Path) -> No
         with pytest.raises(TypeError, match=r"meta tensor .*materialise the module"):
             mgr.save(1)
     assert not list(tmp_path.glob("step-*"))
+
+
+def test_a_compiled_model_checkpoint_loads_into_the_plain_model(tmp_path: Path) -> None:
+    """track() keeps the module under torch.compile (and DDP): the file holds the model's
+    own keys, so a run with compile off (or on) resumes from a run with it on (or off)."""
+    torch.manual_seed(0)
+    src = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.ReLU(), torch.nn.Linear(4, 2))
+    with CheckpointManager(tmp_path, options=CheckpointOptions(async_save=False)) as mgr:
+        mgr.track(model=torch.compile(src))
+        mgr.save(1)
+    keys = set(torch.load(tmp_path / "step-000000000001" / "shared.pt",
+                          weights_only=True)["model"])
+    assert keys == {"0.weight", "0.bias", "2.weight", "2.bias"}
+    dst = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.ReLU(), torch.nn.Linear(4, 2))
+    with CheckpointManager(tmp_path, options=CheckpointOptions(async_save=False)) as mgr:
+        mgr.track(model=dst)
+        assert mgr.restore_latest() == 1
+    for k, v in src.state_dict().items():
+        assert torch.equal(dst.state_dict()[k], v), k

@@ -31,6 +31,7 @@ from resilient_train.checkpoint.state import (
     tree_map_tensors,
     tree_nbytes,
     tree_on_host,
+    unwrap_model,
 )
 
 try:
@@ -491,11 +492,52 @@ def test_many_missing_keys_are_truncated() -> None:
     assert "      l19.weight\n      ... and 5 more\n" in msg and "l20.weight" not in msg
 
 
-def test_ddp_prefix_hint() -> None:
-    model = named(layer=torch.nn.Linear(2, 2))
-    sd = {"module." + k: v for k, v in model.state_dict().items()}
-    with pytest.raises(StateMismatchError, match="carry a 'module.' prefix the model lacks"):
+class Wrapper(torch.nn.Module):
+    """A wrapper of a user's own that, like DDP, puts 'module.' before every key."""
+
+    def __init__(self, module: torch.nn.Module) -> None:
+        super().__init__()
+        self.module = module
+
+
+def bn_net() -> torch.nn.Module:
+    net = named(lin=torch.nn.Linear(3, 4), bn=torch.nn.BatchNorm1d(4))
+    net(torch.randn(8, 3))   # running statistics away from their defaults
+    return net
+
+
+@pytest.mark.parametrize("wrapped_side", ["checkpoint", "model"])
+def test_keys_that_differ_by_a_wrapper_prefix_load(
+        wrapped_side: str, caplog: pytest.LogCaptureFixture) -> None:
+    """A checkpoint of a DDP-wrapped (or compiled) model loads into the bare model and the
+    other way round: the keys differ only by the wrapper's prefix, and nothing else."""
+    src, dst = bn_net(), bn_net().eval()
+    torch.nn.init.zeros_(dst.lin.weight)
+    saved = (Wrapper(src) if wrapped_side == "checkpoint" else src).state_dict()
+    into = Wrapper(dst) if wrapped_side == "model" else dst
+    with caplog.at_level(logging.INFO, logger="resilient_train.checkpoint.state"):
+        restore({"model": into}, {"model": saved})
+    for k, v in src.state_dict().items():
+        assert torch.equal(dst.state_dict()[k], v), k
+    how = "carry" if wrapped_side == "checkpoint" else "lack"
+    assert f"the checkpoint's keys {how} the 'module.' prefix of a model wrapper" in caplog.text
+
+
+def test_a_prefix_on_some_keys_only_is_still_a_mismatch() -> None:
+    model = named(a=torch.nn.Linear(2, 2), b=torch.nn.Linear(2, 2))
+    sd = model.state_dict()
+    sd = {("module." + k if k.startswith("a.") else k): v for k, v in sd.items()}
+    with pytest.raises(StateMismatchError, match="missing keys") as err:
         restore({"model": model}, {"model": sd})
+    assert "module.a.weight" in str(err.value)
+
+
+def test_unwrap_model_peels_compile_and_data_parallel() -> None:
+    inner = torch.nn.Linear(2, 2)
+    assert unwrap_model(torch.nn.DataParallel(torch.compile(inner))) is inner
+    assert unwrap_model(torch.compile(torch.nn.DataParallel(inner))) is inner
+    own = Wrapper(inner)
+    assert unwrap_model(own) is own and unwrap_model(3) == 3   # not a wrapper we know
 
 
 def test_optimizer_param_count_mismatch_message_exact() -> None:

@@ -91,6 +91,7 @@ from .state import (
     restore,
     restore_rng,
     tree_on_host,
+    unwrap_model,
 )
 from .storage import RetryOptions, Storage, format_bytes, free_bytes, is_no_space
 from .writer import RankFailure, StepWriter, WriterThread
@@ -395,7 +396,10 @@ class CheckpointManager:
 
     def track(self, **objects: Any) -> None:
         """Objects with ``state_dict``/``load_state_dict`` (model, optimizer, scheduler,
-        scaler), replicated on every rank; the primary writes them."""
+        scaler), replicated on every rank; the primary writes them. A model compiled or
+        wrapped (DDP) is tracked as the module underneath, so that its checkpoint's keys do
+        not depend on the wrapping (state.unwrap_model)."""
+        objects = {name: unwrap_model(obj) for name, obj in objects.items()}
         self._tracked.update(objects)
         import torch
 

@@ -757,6 +757,8 @@ def restore(tracked: Mapping[str, Any], state: Mapping[str, Any], *,
                            "\n".join(lines))
 
     names = [n for n in tracked if n in state]
+    state = {n: _rekeyed(n, tracked[n], state[n]) if isinstance(tracked[n], torch.nn.Module)
+             and isinstance(state[n], Mapping) else state[n] for n in names}
     for name in names:
         obj, sd = tracked[name], state[name]
         if isinstance(obj, torch.nn.Module):
@@ -819,26 +821,61 @@ def _module_problems(name: str, module: torch.nn.Module, sd: Any, strict: bool) 
     if shapes:
         lines.append(f"    shape mismatches, {len(shapes)}:")
         lines += _listing(shapes, "      ")
-    hint = _prefix_hint(missing, unexpected)
-    lines.append("    fix: " + (hint or "is this the same model config as the run that wrote "
-                                  "the checkpoint?"))
+    lines.append("    fix: is this the same model config as the run that wrote the "
+                 "checkpoint?")
     return lines
 
 
-def _prefix_hint(missing: list[str], unexpected: list[str]) -> str | None:
-    """Keys that differ only by a wrapper prefix: DDP's 'module.', torch.compile's '_orig_mod.'."""
-    if not missing or len(missing) != len(unexpected):
-        return None
-    for prefix in ("module.", "_orig_mod."):
-        if {prefix + k for k in missing} == set(unexpected):
-            return (f"the checkpoint's keys carry a {prefix!r} prefix the model lacks: it was "
-                    "saved from a wrapped model (DDP / torch.compile); save the unwrapped "
-                    "module's state_dict, or strip the prefix with torch.nn.modules.utils."
-                    "consume_prefix_in_state_dict_if_present")
-        if {prefix + k for k in unexpected} == set(missing):
-            return (f"the model's keys carry a {prefix!r} prefix the checkpoint lacks: restore "
-                    "into the unwrapped module (model.module / model._orig_mod)")
-    return None
+# What a model wrapper puts in front of every key of the module it wraps.
+_WRAPPER_PREFIXES = ("module.", "_orig_mod.")   # DDP and DataParallel; torch.compile
+
+
+def unwrap_model(obj: Any) -> Any:
+    """The module under ``obj``'s wrappers (torch.compile's ``OptimizedModule``, DDP,
+    DataParallel), which holds the same parameters under keys without the wrappers'
+    prefixes; anything else as it is. Tracking it makes a checkpoint load the same into a
+    compiled or plain, wrapped or bare model."""
+    while isinstance(obj, torch.nn.Module):
+        if isinstance(obj, (torch.nn.parallel.DistributedDataParallel, torch.nn.DataParallel)):
+            obj = obj.module
+        elif type(obj).__name__ == "OptimizedModule" and isinstance(
+                getattr(obj, "_orig_mod", None), torch.nn.Module):
+            obj = obj._orig_mod   # by name: importing torch._dynamo costs a second
+        else:
+            break
+    return obj
+
+
+def _rekeyed(name: str, module: torch.nn.Module, sd: Mapping[str, Any]) -> Mapping[str, Any]:
+    """``sd`` under ``module``'s keys where the two differ only by a wrapper's prefix (a
+    checkpoint of a DDP-wrapped or compiled model, restored into the bare one, or the other
+    way round); ``sd`` itself otherwise, for the checks to report."""
+    ours, theirs = set(module.state_dict()), {str(k) for k in sd}
+    if ours == theirs or not ours:
+        return sd
+    for prefix in _WRAPPER_PREFIXES:
+        if {prefix + k for k in ours} == theirs:
+            how = "carry"
+        elif {prefix + k for k in theirs} == ours:
+            how = "lack"
+        else:
+            continue
+
+        def rename(key: str, p: str = prefix, strip: bool = how == "carry") -> str:
+            return key[len(p):] if strip else p + key
+
+        logger.info("restoring %r: the checkpoint's keys %s the %r prefix of a model wrapper "
+                    "(DDP, torch.compile) that the model's %s; the keys matched without it", name, how,
+                    prefix, "lack" if how == "carry" else "carry")
+        out: OrderedDict[str, Any] = OrderedDict((rename(str(k)), v) for k, v in sd.items())
+        meta = getattr(sd, "_metadata", None)
+        if isinstance(meta, Mapping):   # per-submodule versions, keyed by module path
+            # "module.0" <-> "0", "module" <-> "" (the wrapper's own entry goes).
+            out._metadata = OrderedDict(  # type: ignore[attr-defined]
+                (rename(f"{k}.").rstrip("."), v) for k, v in meta.items()
+                if how == "lack" or f"{k}.".startswith(prefix))
+        return out
+    return sd
 
 
 def _optimizer_problems(name: str, opt: torch.optim.Optimizer, sd: Any) -> list[str]:
