@@ -865,8 +865,8 @@ def _rekeyed(name: str, module: torch.nn.Module, sd: Mapping[str, Any]) -> Mappi
             return key[len(p):] if strip else p + key
 
         logger.info("restoring %r: the checkpoint's keys %s the %r prefix of a model wrapper "
-                    "(DDP, torch.compile) that the model's %s; the keys matched without it", name, how,
-                    prefix, "lack" if how == "carry" else "carry")
+                    "(DDP, torch.compile) that the model's %s; the keys matched without it",
+                    name, how, prefix, "lack" if how == "carry" else "carry")
         out: OrderedDict[str, Any] = OrderedDict((rename(str(k)), v) for k, v in sd.items())
         meta = getattr(sd, "_metadata", None)
         if isinstance(meta, Mapping):   # per-submodule versions, keyed by module path
