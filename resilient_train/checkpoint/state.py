@@ -748,9 +748,9 @@ def restore(tracked: Mapping[str, Any], state: Mapping[str, Any], *,
         if unexpected:
             lines.append(f"  in the checkpoint but not tracked, {len(unexpected)}:")
             lines += _listing(sorted(unexpected), "    ")
-        lines.append("  fix: track the same names as the run that wrote the checkpoint, "
-                     "or pass strict=False to skip them")
         if strict:
+            lines.append("  fix: track the same names as the run that wrote the checkpoint, "
+                         "or pass strict=False to skip them")
             sections.append(lines)
         else:
             logger.warning("restore (strict=False) skips names on one side only:\n%s",
