@@ -330,6 +330,7 @@ def _launch(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     from .launcher.messages import STATUS_FAULT_NOT_FIRED, STATUS_INTERNAL
     from .launcher.policy import PolicyError
     from .launcher.runner import Launcher, LaunchError
+    from .launcher.workerenv import fuse_path_note
 
     command = _command(args)
     if not command and args.job_spec is None:
@@ -345,6 +346,9 @@ def _launch(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         return EXIT_USAGE
     for note in notes:
         print(f"job spec: {note}", flush=True)
+    fuse = fuse_path_note(options.output_dir)
+    if fuse is not None:
+        print(fuse, flush=True)
     print(f"job {options.job_name}: directory {options.job_dir}", flush=True)
     if launcher.scalars is not None:
         print(launcher.scalars.describe(), flush=True)

@@ -196,3 +196,17 @@ def test_the_view_never_links_back_to_the_job_directory(tmp_path: Path, job_dir:
 def test_the_table_of_causes() -> None:
     assert [c for c in Cause if new_vm_after(c)] == [Cause.MAINTENANCE, Cause.PREEMPTION,
                                                      Cause.NODE_LOSS]
+
+
+def test_an_output_dir_under_gcs_without_a_mount_says_where_it_goes(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    from resilient_train.launcher.workerenv import fuse_path_note
+
+    note = fuse_path_note("/gcs/my-bucket/run1/")
+    assert note is not None and "nothing is mounted at /gcs/ here" in note
+    assert note.endswith("use gs://my-bucket/run1")
+    assert fuse_path_note("gs://my-bucket/run1") is None
+    assert fuse_path_note("/data/run1") is None and fuse_path_note(None) is None
+    # A bucket mounted with gcsfuse at /gcs/my-bucket, as on the platform: nothing to say.
+    monkeypatch.setattr("os.path.ismount", lambda p: p == "/gcs/my-bucket")
+    assert fuse_path_note("/gcs/my-bucket/run1") is None

@@ -86,6 +86,19 @@ def output_dirs(output_base: str) -> dict[str, str]:
     }
 
 
+def fuse_path_note(output: str | None) -> str | None:
+    """A line for an output directory under ``/gcs/`` where nothing is mounted: on the
+    platform ``/gcs/BUCKET`` is the bucket (Cloud Storage FUSE), here a plain directory."""
+    if output is None or not output.startswith("/gcs/"):
+        return None
+    parts = output.rstrip("/").split("/")[1:]   # gcs, BUCKET, ...
+    if any(os.path.ismount("/" + "/".join(parts[:i])) for i in range(1, len(parts) + 1)):
+        return None
+    return (f"--output-dir {output}: nothing is mounted at /gcs/ here (on the platform it is "
+            f"Cloud Storage FUSE), so the outputs go to this machine's disk; for the bucket "
+            f"itself use gs://{'/'.join(parts[1:])}")
+
+
 def worker_env(job: JobEnv, replica: Replica, *, attempt: int, restart: int,
                error_file: str, gpu_ids: Sequence[int] | None,
                base: Mapping[str, str], telemetry: str = "", failures_file: str = "",
