@@ -202,7 +202,9 @@ class ResumableLoader:
             raise TypeError(
                 f"ResumableLoader needs a map-style dataset with __len__ and __getitem__, got "
                 f"{type(dataset).__name__}: an iterable-style dataset keeps its position "
-                "itself and cannot be resumed through a sampler")
+                "itself and cannot be resumed through a sampler; use a plain DataLoader and "
+                "keep the stream's position in ctx.values "
+                '(docs/checkpointing.md, "Exact data position")')
         if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
             raise ValueError(f"batch_size must be an int >= 1, got {batch_size!r}")
         self.batch_size = batch_size

@@ -311,6 +311,16 @@ def test_bad_world_is_rejected(kwargs: dict[str, Any], match: str) -> None:
         ResumableSampler(N, **kwargs)
 
 
+def test_a_stream_is_refused_with_what_to_do_instead() -> None:
+    class Stream(torch.utils.data.IterableDataset[int]):
+        def __iter__(self) -> Any:
+            return iter(range(10))
+
+    with pytest.raises(TypeError, match=r"iterable-style dataset .* keep the stream's "
+                                        r"position in ctx.values"):
+        ResumableLoader(Stream(), batch_size=2)
+
+
 def test_empty_dataset_is_rejected() -> None:
     with pytest.raises(ValueError, match="0 samples"):
         ResumableSampler([])
