@@ -54,6 +54,7 @@ from .directory import (
     read_manifest,
     scan,
 )
+from .early import Early
 from .emergency import CommitGate, Grace, Outcome, SaveAbandoned, remaining
 from .loader import load_verified
 from .manifest import (
@@ -65,8 +66,7 @@ from .manifest import (
     manifest_entry,
 )
 from .nodelocal import LocalTier, NodeLocal, PersistentCadence
-from .early import Early
-from .peers import PeerMemory, PeerRing, process_memory, tensor_versions
+from .peers import PeerMemory, PeerRing, process_memory
 from .policy import (
     FOUR_HOURS,
     PRIOR_MTBF_S,
@@ -93,6 +93,7 @@ from .state import (
     tree_on_host,
     unwrap_model,
 )
+from .stepwrites import StepWrites, current_buffers, put_buffers
 from .storage import RetryOptions, Storage, format_bytes, free_bytes, is_no_space
 from .writer import RankFailure, StepWriter, WriterThread
 
@@ -326,6 +327,9 @@ class CheckpointManager:
         self.known = KnownSteps()
         group = getattr(self.coord, "main_group", None)
         self._ring: PeerRing | None = None
+        # The buffers at the last step boundary, which a survivor of a failed step puts
+        # back (stepwrites.py). With the peer ring only.
+        self._writes: StepWrites | None = None
         # The ring also carries each rank's RNG and values to the next rank's node-local
         # copy (nodelocal.py): a rank on a new machine finds them on its neighbour's disk.
         if (self.options.peer_recovery or self.options.node_local is not None) \
@@ -336,9 +340,9 @@ class CheckpointManager:
                 local_address(os.environ.get("MASTER_ADDR", "127.0.0.1"),
                               int(os.environ.get("MASTER_PORT", "0") or 0)),
                 self.coord.broadcast(new_token()), timeout_s=RING_TIMEOUT_S)
+            self._writes = StepWrites(self._tracked)
             self._ring = PeerRing(self.rank, self.world_size, group, link,
-                                  peer_memory or process_memory(),
-                                  tensor_versions(self._tracked))
+                                  peer_memory or process_memory(), self._writes)
         self._early: Early[_FromPeers] | None = None   # start_restore's transfers
         self.last_restore: RestoreRecord | None = None
         # The step pre-hooks on tracked optimizers, removed at close: a hook would keep
@@ -589,8 +593,13 @@ class CheckpointManager:
         return frozenset(ptrs)
 
     def _rank_state(self) -> dict[str, Any]:
-        """What differs per rank and is saved per rank: the RNG streams and ``values``."""
-        return {"rng": capture_rng(), "values": dict(self.values)}
+        """What differs per rank and is saved per rank: the RNG streams, ``values``, and
+        the buffers that steps write (batch norm's statistics: each rank's own)."""
+        state: dict[str, Any] = {"rng": capture_rng(), "values": dict(self.values)}
+        buffers = current_buffers(self._tracked) if self.world_size > 1 else None
+        if buffers:
+            state["buffers"] = buffers
+        return state
 
     def hand_over(self, step: int) -> None:
         """This life ends on an error after ``step`` finished steps: leave its state in the
@@ -1157,6 +1166,8 @@ class CheckpointManager:
             restore(self._tracked, shared, strict=strict)
         if "rng" in mine:
             restore_rng(mine["rng"])
+        if mine.get("buffers"):
+            put_buffers(self._tracked, mine["buffers"])
         self.values.clear()
         self.values.update(mine["values"])
 

@@ -9,9 +9,9 @@ things make that restore possible without storage:
   hands its tracked objects' state (model, optimizer, scheduler, scaler, the data
   position: references, no copy) to this process's :class:`PeerMemory`, which outlives
   the life. It is only usable if it is the state of a step *boundary*: a rank whose step
-  in flight had already changed a parameter or buffer (an optimizer step, then a failed
-  collective after it) is *torn* and holds nothing. Version counters, read at every
-  boundary, tell (``Tensor._version`` moves with every in-place write).
+  in flight had already changed a parameter (an optimizer step, then a failed collective
+  after it) is *torn* and holds nothing. The forward's writes to buffers (batch norm's
+  statistics) are put back from copies taken at the boundary (stepwrites.py).
 - **Each rank's own state has two holders.** The RNG streams and ``ctx.values`` differ per
   rank; at every step boundary each rank sends its snapshot of them to the next rank in a
   ring that runs across machines (ringlink.ring_order: with one process per machine, rank
@@ -40,11 +40,10 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
-
 from .recovery_plan import Plan, Recovered, Report, carry_out, dumps_rank_state
 from .ringlink import Frame, RingLink
 from .state import rng_fingerprint
+from .stepwrites import StepWrites
 
 log = logging.getLogger(__name__)
 
@@ -125,13 +124,12 @@ class PeerRing:
     """One life's side of peer recovery: the per-step ring and the restore."""
 
     def __init__(self, rank: int, world_size: int, group: Any, link: RingLink,
-                 memory: PeerMemory, versions: Callable[[], int]) -> None:
+                 memory: PeerMemory, writes: StepWrites) -> None:
         self.rank, self.world_size = rank, world_size
         self.group = group                  # the restore's transfers (transfer.py)
         self.link = link                    # the per-step messages (ringlink.py)
         self.memory = memory
-        self._versions = versions          # the tracked tensors' in-place write count
-        self._boundary_versions: int | None = None
+        self._writes = writes               # what the step in flight wrote in place
         self._sent_for: int | None = None   # the step whose early copy went round the ring
         self._sent: bytes = b""             # ... and what it was
         self._sent_print: Any = None        # ... and its fingerprint
@@ -179,7 +177,7 @@ class PeerRing:
         which is cheaper than capturing it all again."""
         self._take_arrived()
         self._done = step
-        self._boundary_versions = self._versions()
+        self._writes.boundary()
         early = self._sent_for == step
         same = early and _fingerprint(values) == self._sent_print
         if same:
@@ -223,9 +221,9 @@ class PeerRing:
         if step not in m.own:
             m.why_not = f"no snapshot of its own state at step {step}"
             return
-        if self._boundary_versions is None or self._versions() != self._boundary_versions:
-            m.why_not = (f"its step {step + 1} had already changed the model's parameters or "
-                         f"buffers (an optimizer step before the failed collective)")
+        torn = self._writes.undo()   # the forward's buffer writes are put back
+        if torn:
+            m.why_not = f"its step {step + 1} {torn}"
             return
         m.replicated, m.replicated_step, m.why_not = state(), step, ""
 
@@ -256,7 +254,7 @@ class PeerRing:
         """Step ``step`` is loaded (from peers or storage): the boundary that a hand-over
         before the next step compares to, with this rank's state as it is now."""
         self.memory.keep_own(step, dumps_rank_state(rank_state))
-        self._boundary_versions = self._versions()
+        self._writes.boundary()
         self._done = self._sent_for = step
 
 
@@ -265,21 +263,3 @@ def _fingerprint(values: Mapping[str, Any], rng: Mapping[str, Any] | None = None
     """Equal for two moments exactly when the RNGs (``rng``: as captured; None: now) and
     ``values`` did not change between them."""
     return rng_fingerprint(rng), pickle.dumps(dict(values), protocol=pickle.HIGHEST_PROTOCOL)
-
-
-def tensor_versions(tracked: Mapping[str, Any]) -> Callable[[], int]:
-    """A function that sums the in-place write counters of the tracked modules' parameters
-    and buffers (``tracked`` is read at each call): the sum changes when anything writes
-    them in place (an optimizer step, batch norm's running statistics)."""
-
-    def versions() -> int:
-        total = 0
-        for obj in tracked.values():
-            if isinstance(obj, torch.nn.Module):
-                for p in obj.parameters():
-                    total += p._version
-                for b in obj.buffers():
-                    total += b._version
-        return total
-
-    return versions

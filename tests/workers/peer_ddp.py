@@ -1,7 +1,8 @@
-"""A DDP job whose every kind of state matters for an exact resume: dropout (the RNG), a
-shuffled ResumableLoader with a worker process (the data position), AdamW and a schedule
-(the optimizer), per-rank ``ctx.values``. ``find_unused_parameters=True`` keeps DDP's first
-bucket layout, so 3 ranks sum in the same order after a resume (docs/checkpointing.md).
+"""A DDP job whose every kind of state matters for an exact resume: dropout (the RNG),
+batch norm's running statistics (buffers the forward writes), a shuffled ResumableLoader
+with a worker process (the data position), AdamW and a schedule (the optimizer), per-rank
+``ctx.values``. ``find_unused_parameters=True`` keeps DDP's first bucket layout, so 3
+ranks sum in the same order after a resume (docs/checkpointing.md).
 
 ``peer_ddp.py STEPS SAVE_EVERY STEP_TIME_S``: the primary writes ``$AIP_MODEL_DIR/model.pt``,
 and every rank ``rank{R}.pt``: its ``values`` and four draws from its RNG at the end.
@@ -91,7 +92,12 @@ class Data(Dataset):
 
 def train(ctx: rt.Context) -> None:
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Dropout(0.2), nn.Linear(64, 1))
+    # Batch norm (under DDP) writes its running statistics in the forward, and DDP
+    # broadcasts rank 0's to the others there too: a survivor whose step failed in the
+    # backward has written them, and puts them back (checkpoint/stepwrites.py).
+    norm = [] if FSDP else [nn.BatchNorm1d(64)]
+    model = nn.Sequential(nn.Linear(16, 64), *norm, nn.ReLU(), nn.Dropout(0.2),
+                          nn.Linear(64, 1))
     if FSDP:
         from torch.distributed.fsdp import fully_shard
 

@@ -1,0 +1,156 @@
+"""The tracked modules' buffers: state each rank holds for itself, and what a failed step
+wrote in them put back.
+
+A survivor whose step failed in a collective hands its live state to the next life only
+if that is the state of the last step boundary (peers.py):
+
+- A **parameter** is written by an optimizer step, which moves its version counter
+  (``Tensor._version``). A survivor whose parameters moved is partly a step ahead (a
+  step with two optimizers, a GAN's, that failed between them) and is not usable.
+- A **buffer** is written by the forward, before the backward's all-reduce where a lost
+  peer is noticed: batch norm's running statistics, and DDP's broadcast of rank 0's
+  buffers. Version counters do not tell: batch norm's kernel updates its statistics
+  without moving them. So every persistent buffer is copied at each boundary (batch
+  norm's statistics are small; one ``_foreach_copy_``), and a failed step's survivor
+  copies them back.
+
+Buffers are also **per-rank state**: each rank's batch norm updates its statistics from
+its own batch (DDP broadcasts rank 0's at the next forward), so the primary's
+checkpoint does not hold the others'. :func:`current_buffers` go into each rank's own
+state with its RNG streams and ``values`` (the peer ring's copy and every save), and
+:func:`put_buffers` loads them back over the replicated state's: a restarted rank 0 gets
+its own statistics from its neighbour, not its neighbour's.
+
+Non-persistent buffers are no training state (no checkpoint holds them) and are left out.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import torch
+
+log = logging.getLogger(__name__)
+
+
+class StepWrites:
+    """The tracked modules' state at the last step boundary, as far as a failed step can
+    be taken back to it."""
+
+    def __init__(self, tracked: Mapping[str, Any]) -> None:
+        self._tracked = tracked   # read at each call: a module tracked later counts too
+        self._params: int | None = None   # the parameters' version sum at the boundary
+        # id(buffer) -> (buffer, its value at the boundary)
+        self._copies: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def boundary(self) -> None:
+        """A step ended (or a restore loaded one): keep its buffers' values."""
+        self._params, buffers = self._walk()
+        copies: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        dst: list[torch.Tensor] = []
+        src: list[torch.Tensor] = []
+        for _, _, buf in buffers:
+            held = self._copies.get(id(buf))
+            copy = held[1] if held is not None and held[0] is buf and \
+                held[1].shape == buf.shape and held[1].dtype == buf.dtype and \
+                held[1].device == buf.device else torch.empty_like(buf)
+            copies[id(buf)] = (buf, copy)
+            dst.append(copy)
+            src.append(buf)
+        if src:
+            with torch.no_grad():
+                torch._foreach_copy_(dst, src)
+        self._copies = copies
+
+    def undo(self) -> str:
+        """Put the buffers back as they were at the last boundary. '' when the tracked
+        modules then hold the boundary's state; otherwise what the step did that cannot be
+        undone, to follow "its step N"."""
+        if self._params is None:
+            return "had begun before any step boundary of this life"
+        params, buffers = self._walk()
+        if params != self._params:
+            return ("had already changed the model's parameters (an optimizer step before "
+                    "the failed collective)")
+        dst: list[torch.Tensor] = []
+        src: list[torch.Tensor] = []
+        for name, key, buf in buffers:
+            held = self._copies.get(id(buf))
+            if held is None or held[0] is not buf:
+                return f"had replaced the buffer {name}.{key} since the last step boundary"
+            dst.append(buf)
+            src.append(held[1])
+        if dst:
+            with torch.no_grad():
+                torch._foreach_copy_(dst, src)
+        return ""
+
+    def _walk(self) -> tuple[int, list[tuple[str, str, torch.Tensor]]]:
+        """The parameters' version sum and the persistent buffers, in one pass (it runs at
+        every step boundary)."""
+        versions = 0
+        buffers: list[tuple[str, str, torch.Tensor]] = []
+        for tracked_name, prefix, module in _modules(self._tracked):
+            for p in module._parameters.values():
+                if p is not None:
+                    versions += p._version
+            buffers += _persistent(tracked_name, prefix, module)
+        return versions, buffers
+
+
+def _modules(tracked: Mapping[str, Any]) -> Iterator[tuple[str, str, torch.nn.Module]]:
+    for tracked_name, obj in tracked.items():
+        if isinstance(obj, torch.nn.Module):
+            for prefix, module in obj.named_modules():
+                yield tracked_name, prefix, module
+
+
+def _persistent(tracked_name: str, prefix: str, module: torch.nn.Module
+                ) -> Iterator[tuple[str, str, torch.Tensor]]:
+    skip = module._non_persistent_buffers_set
+    for name, buf in module._buffers.items():
+        # A DTensor buffer is sharded state, which the sharded layout saves (sharded.py).
+        if buf is not None and name not in skip and type(buf) is torch.Tensor:
+            yield tracked_name, f"{prefix}.{name}" if prefix else name, buf
+
+
+def persistent_buffers(tracked: Mapping[str, Any]) -> Iterator[tuple[str, str, torch.Tensor]]:
+    """(tracked name, state_dict key, buffer) of every persistent buffer of the tracked
+    modules."""
+    for tracked_name, prefix, module in _modules(tracked):
+        yield from _persistent(tracked_name, prefix, module)
+
+
+def current_buffers(tracked: Mapping[str, Any]) -> dict[str, dict[str, torch.Tensor]]:
+    """This rank's persistent buffers as they are now, ``{tracked name: {state_dict key:
+    tensor}}`` (references, not copies), for its own state."""
+    out: dict[str, dict[str, torch.Tensor]] = {}
+    for name, key, buf in persistent_buffers(tracked):
+        out.setdefault(name, {})[key] = buf
+    return out
+
+
+def put_buffers(tracked: Mapping[str, Any], buffers: Mapping[str, Mapping[str, Any]]) -> None:
+    """Load a rank's own buffers (:func:`current_buffers`, from its state) into the
+    tracked modules, over the replicated state's. One a module does not have is skipped
+    with a warning (the model changed since they were saved)."""
+    found = {(name, key): buf for name, key, buf in persistent_buffers(tracked)}
+    dst: list[torch.Tensor] = []
+    src: list[torch.Tensor] = []
+    missing: list[str] = []
+    for name, held in buffers.items():
+        for key, value in held.items():
+            buf = found.get((name, key))
+            if buf is None or not isinstance(value, torch.Tensor) or value.shape != buf.shape:
+                missing.append(f"{name}.{key}")
+                continue
+            dst.append(buf)
+            src.append(value.to(buf.device, buf.dtype))
+    if missing:
+        log.warning("this rank's own buffers %s are not in the tracked modules (or have "
+                    "another shape): they keep the replicated state's values", missing[:5])
+    if dst:
+        with torch.no_grad():
+            torch._foreach_copy_(dst, src)
