@@ -72,8 +72,10 @@ class StepWrites:
             return "had begun before any step boundary of this life"
         params, buffers = self._walk()
         if params != self._params:
-            return ("had already changed the model's parameters (an optimizer step before "
-                    "the failed collective)")
+            return ("had already changed the model's parameters: its optimizer step had run "
+                    "when a collective after it failed (a metric all-reduced after "
+                    "opt.step(), which belongs before it, or a second optimizer's step: "
+                    'docs/checkpointing.md, "Recovery from live peers")')
         dst: list[torch.Tensor] = []
         src: list[torch.Tensor] = []
         for name, key, buf in buffers:
