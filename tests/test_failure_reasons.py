@@ -276,3 +276,37 @@ def test_a_plain_ddp_job_whose_peer_is_killed_fails_saying_why(e2e: E2E) -> None
     assert "\nLikely cause: workerpool1-0 was lost " in shown
     [killed] = [line for line in shown.splitlines() if line.startswith("  workerpool1-0 ")]
     assert "restarts 1 (+0 with a peer, +0 maintenance)" in killed
+
+
+# What a survivor printed when the primary, which hosts the store, was killed (a real log,
+# frames shortened).
+_STORE_GONE = """\
+[W1205 12:48:38.571243847 TCPStore.cpp:138] [c10d] recvValueWithTimeout failed on SocketImpl(fd=7): Failed to recv, got 0 bytes. Connection was likely closed. Did the remote server shutdown or crash?
+Exception raised from recvBytes at /__w/pytorch/pytorch/torch/csrc/distributed/c10d/Utils.hpp:787 (most recent call first):
+frame #0: c10::Error::Error(c10::SourceLocation, std::string) + 0x9d (0x7fd9ec779b8d in libc10.so)
+frame #1: c10::DistError::DistError(c10::SourceLocation, std::string) + 0x72 (0x7fd9ec77ab62 in libc10.so)
+frame #5: c10d::TCPStore::doWait(c10::ArrayRef<std::string>, std::chrono::milliseconds) + 0xc5 (0x7fd9de342d35 in libtorch_cpu.so)
+<omitting python frames>
+frame #22: __libc_start_main + 0x85 (0x7fd9eea45305 in /lib/x86_64-linux-gnu/libc.so.6)
+
+workerpool1-0: the rendezvous store at 127.0.0.1:31471 is gone (the primary workerpool0-0 stopped or restarted); waiting for it to come back
+"""
+
+
+def test_a_cpp_backtrace_is_one_line_on_the_console() -> None:
+    from resilient_train.launcher.logtail import BacktraceFolder
+
+    folder = BacktraceFolder("rt-jobs/j/logs/attempt-1/workerpool1-0.log")
+    shown = [out for line in _STORE_GONE.splitlines() for out in folder.feed(line)]
+    assert shown == [
+        _STORE_GONE.splitlines()[0],
+        "(a C++ backtrace of 4 frames, kept in rt-jobs/j/logs/attempt-1/workerpool1-0.log)",
+        _STORE_GONE.splitlines()[-1],
+    ]
+    # With torch's rank tags, and cut off by the end of the output.
+    tagged = [f"[rank1]:{line}" for line in _STORE_GONE.splitlines()[:4]]
+    folder = BacktraceFolder("the log")
+    shown = [out for line in tagged for out in folder.feed(line)] + folder.flush()
+    assert shown == [tagged[0], "(a C++ backtrace of 2 frames, kept in the log)"]
+    assert BacktraceFolder("x").feed("frame #0: not after a head line") == \
+        ["frame #0: not after a head line"]

@@ -14,7 +14,8 @@ from collections.abc import Iterable
 
 from ..errors import traceback_excerpt
 
-__all__ = ["PEER_CONNECTION_ERROR", "peer_connection_error", "strip_prefix", "traceback_from_log"]
+__all__ = ["PEER_CONNECTION_ERROR", "BacktraceFolder", "peer_connection_error", "strip_prefix",
+           "traceback_from_log"]
 
 # A run of "[rank0]:" / "[default1]:" tags, then a space for a line of Python's own report;
 # a C++ log line follows the tags with "[" at once (its severity and time).
@@ -77,3 +78,41 @@ def peer_connection_error(lines: Iterable[str]) -> str | None:
     _, body = strip_prefix(found)
     text = (body if body is not None else found).strip()
     return text if len(text) <= _MAX_QUOTED else text[:_MAX_QUOTED - 3] + "..."
+
+
+# A C++ exception's backtrace as torch's C++ warnings print it (a TCPStore whose host went
+# away prints one per waiting call): a head line, then one line per frame, then a blank.
+_TRACE_HEAD = re.compile(r"Exception raised from .* \(most recent call first\):$")
+_TRACE_FRAME = re.compile(r"frame #\d+: |<omitting python frames>$")
+
+
+class BacktraceFolder:
+    """Folds the C++ backtraces in a worker's output into one line each, for the console
+    (its log keeps them): a store's host lost prints 25 lines of frames per waiting call,
+    between the lines that say what happened. Feed it lines; it returns those to show."""
+
+    def __init__(self, where: str) -> None:
+        self._where = where      # the log that keeps the whole of them
+        self._frames = -1        # frames of the backtrace being folded; -1: none
+
+    def feed(self, line: str) -> list[str]:
+        tags, body = strip_prefix(line)
+        text = line[len(tags):] if body is None else body
+        if self._frames < 0:
+            if _TRACE_HEAD.search(text):
+                self._frames = 0
+                return []
+            return [line]
+        if _TRACE_FRAME.match(text):
+            self._frames += text.startswith("frame #")
+            return []
+        # The trace has ended; the blank line after it goes with it.
+        return [self._summary()] + ([] if not text.strip() else [line])
+
+    def flush(self) -> list[str]:
+        """At the end of the output: a backtrace still being folded."""
+        return [self._summary()] if self._frames >= 0 else []
+
+    def _summary(self) -> str:
+        frames, self._frames = self._frames, -1
+        return f"(a C++ backtrace of {frames} frames, kept in {self._where})"

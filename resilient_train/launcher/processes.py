@@ -30,7 +30,7 @@ import psutil
 
 from ..errors import read_error_report
 from .exits import ProcessExit
-from .logtail import traceback_from_log
+from .logtail import BacktraceFolder, traceback_from_log
 from .policy import Cause
 from .resources import kernel_oom_kills, process_tree
 from .watchdog import descendants, start_ticks
@@ -49,6 +49,13 @@ SNAPSHOT_S = 0.5
 # How often a tree that is being measured or stopped is looked for again (children born
 # meanwhile count, or are stopped, from then on).
 TREE_REFRESH_S = 1.0
+
+
+def _shown_path(path: Any) -> str:
+    """A log's path for a console line: relative to the working directory when under it."""
+    text = str(path)
+    rel = os.path.relpath(text) if os.path.isabs(text) else text
+    return text if rel.startswith("..") else rel
 
 
 class Worker:
@@ -83,12 +90,16 @@ class Worker:
     def _pump(self, echo: Callable[[str], None]) -> None:
         assert self.popen.stdout is not None
         prefix = f"[{self.replica.name}] "
+        folder = BacktraceFolder(_shown_path(getattr(self._log, "name", "the replica's log")))
         for raw in iter(self.popen.stdout.readline, b""):
             self._log.write(raw)
             self._log.flush()
             line = raw.decode("utf-8", "replace").rstrip("\n")
             self.tail.append(line)
-            echo(prefix + line)
+            for shown in folder.feed(line):
+                echo(prefix + shown)
+        for shown in folder.flush():
+            echo(prefix + shown)
         self.popen.stdout.close()
 
     def end(self, injected: Cause) -> None:
