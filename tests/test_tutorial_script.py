@@ -15,6 +15,7 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
 from jobs import life_pid
 
 SCRIPT = Path(__file__).resolve().parent / "workers" / "tutorial_snapshot.py"
@@ -55,6 +56,15 @@ def test_a_node_loss_fails_the_plain_script_with_its_cause_and_the_fixes(tmp_pat
     _kill_worker_after_its_snapshot(proc, job_dir)
     out, _ = proc.communicate(timeout=120)
     record = json.loads((job_dir / "job.json").read_text())
+    if record["state"] != "JOB_STATE_FAILED" and \
+            "terminate called without an active exception" in _logs(job_dir, "workerpool0-0"):
+        # Now and then torch aborts on its way out after the survivor's traceback (SIGABRT:
+        # 134, from its own threads, in a script that is not ours): a code the platform
+        # retries, and the launcher must have.
+        assert any(e["message"] == "workerpool0-0: retry_job (transient-exit-code), "
+                   "job_retries 1/3" for e in record["events"]), out
+        pytest.skip("torch aborted at exit (134), so the job was retried: the message of a "
+                    "survivor's exit 1 is checked on the runs where Python exits")
     assert record["state"] == "JOB_STATE_FAILED", out
     message = record["error"]["message"]
     # The survivor's exit 1 is the user-code rule, as on the platform ...
