@@ -19,6 +19,9 @@ container's first process only); when a process fails, the others get SIGTERM, a
 after ``stop_grace_s``; and ``spawn`` exits with the first failed process's status (128 +
 N for a signal N), so a 134 reaches the platform as a 134.
 
+Output: each process's stdout and stderr go to spawn's own through a relay that writes
+whole lines (linerelay.py): the processes share the replica's output.
+
 Error reports: where the replica has one (``TORCHELASTIC_ERROR_FILE``, which the platform's
 containers and the launcher read for a failure's reason), each process writes its own, and
 the first failed process's becomes the replica's, as torchrun's agent does.
@@ -33,6 +36,7 @@ import os
 import shutil
 import signal
 import subprocess
+import sys
 import tempfile
 import threading
 from collections.abc import Mapping, Sequence
@@ -41,9 +45,13 @@ from pathlib import Path
 
 from .cluster import NON_TRAINING_RANK, ClusterInfo, ClusterSpecError
 from .errors import ERROR_FILE_ENV, exit_code_for
+from .linerelay import LineRelay
 
 log = logging.getLogger(__name__)
 
+# How long spawn waits, once every process has exited, for the rest of their output: a
+# grandchild that kept a pipe open may hold it for good.
+RELAY_DRAIN_S = 5.0
 # torchrun's agent's store: not there for a process started here.
 _AGENT_ONLY = ("TORCHELASTIC_USE_AGENT_STORE",)
 
@@ -138,14 +146,20 @@ class Supervisor:
         self._killer: threading.Timer | None = None
         # The SIGTERM or SIGINT passed on, if one was: the rest stop anyway.
         self._signalled: int | None = None
+        self._relays: list[LineRelay] = []
+        # Our output as bytes (not so where a caller replaced sys.stdout: then inherited).
+        self._relaying = all(hasattr(f, "buffer") for f in (sys.stdout, sys.stderr))
+        self._out_lock = threading.Lock()   # stdout and stderr may be one pipe
 
     def run(self) -> int:
         """Every process's end; the first failure's status, or 0 when all succeeded."""
         old = {sig: signal.signal(sig, self._forward) for sig in (signal.SIGTERM, signal.SIGINT)}
         try:
             for i, env in enumerate(self.envs):
+                pipe = subprocess.PIPE if self._relaying else None
                 try:
-                    proc = subprocess.Popen(self.command, env=dict(env))
+                    proc = subprocess.Popen(self.command, env=self._env(env),
+                                            stdout=pipe, stderr=pipe)
                 except OSError as exc:
                     self._signal(signal.SIGKILL)   # those started: nothing to save yet
                     self._wait()
@@ -153,6 +167,8 @@ class Supervisor:
                                      "check the command after --") from None
                 self._procs.append(proc)
                 self.running[proc.pid] = i
+                if self._relaying:
+                    self._relay(proc, i)
             if self._signalled is not None:   # a signal came while they were starting
                 self._signal(self._signalled)
             ranks = f"{self.envs[0]['RANK']}-{self.envs[-1]['RANK']}"
@@ -160,10 +176,29 @@ class Supervisor:
                      self.envs[0]["WORLD_SIZE"])
             return self._wait()
         finally:
+            for relay in self._relays:   # what the processes wrote last, before we exit
+                relay.join(RELAY_DRAIN_S)
             for sig, handler in old.items():
                 signal.signal(sig, handler)
             if self._killer is not None:
                 self._killer.cancel()
+
+    def _env(self, env: Mapping[str, str]) -> dict[str, str]:
+        out = dict(env)
+        if self._relaying:   # each line as it is printed: the relay keeps lines whole
+            out.setdefault("PYTHONUNBUFFERED", "1")
+        return out
+
+    def _relay(self, proc: subprocess.Popen[bytes], local: int) -> None:
+        """The process's stdout and stderr to ours, line by line (linerelay.py): the
+        processes of a replica share its output, and would otherwise mix mid-line."""
+        for pipe, out, name in ((proc.stdout, sys.stdout, "stdout"),
+                                (proc.stderr, sys.stderr, "stderr")):
+            assert pipe is not None
+            fd = os.dup(pipe.fileno())   # the relay's own: Popen closes its file objects
+            pipe.close()
+            self._relays.append(LineRelay(fd, out.buffer, self._out_lock,
+                                          f"rt-spawn-{name}-{local}"))
 
     def _wait(self) -> int:
         failed: int | None = None

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -177,6 +178,40 @@ def test_a_process_deaf_to_sigterm_is_killed_after_the_grace(tmp_path: Path) -> 
     assert proc.returncode == 5, out
     assert (tmp_path / "term-0").exists(), out
     assert "local process 0 exited 137" in out   # 128 + SIGKILL
+
+
+PRINTER = textwrap.dedent("""
+    import os, sys
+    local = os.environ["LOCAL_RANK"]
+    for n in range(400):
+        print(f"rank {local} line {n} " + "x" * 40)   # text and newline: two writes, unbuffered
+    sys.stderr.write(f"warning from rank {local}\\n")
+    sys.stdout.write(f"rank {local} progress 50%\\rrank {local} progress 100%\\n")
+""")
+
+
+def test_the_processes_lines_never_mix(tmp_path: Path) -> None:
+    """The processes share the replica's output; with PYTHONUNBUFFERED=1 (common in
+    images) print() writes a line and its newline apart, and two ranks' lines ran into each
+    other. Each line arrives whole, stdout on stdout and stderr on stderr."""
+    (tmp_path / "printer.py").write_text(PRINTER)
+    env = dict(os.environ, RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
+               MASTER_PORT="29999", PYTHONUNBUFFERED="1")
+    done = subprocess.run(
+        [sys.executable, "-m", "resilient_train.cli", "spawn", "--nproc-per-node", "3", "--",
+         sys.executable, str(tmp_path / "printer.py")],
+        env=env, capture_output=True, timeout=120, check=False)   # bytes: \r kept
+    stdout, stderr = done.stdout.decode(), done.stderr.decode()
+    assert done.returncode == 0, stderr
+    lines = stdout.split("\n")
+    prints = [ln for ln in lines if " line " in ln]
+    assert len(prints) == 1200, lines[:5]
+    assert all(re.fullmatch(r"rank [012] line \d+ x{40}", ln) for ln in prints), \
+        [ln for ln in prints if not re.fullmatch(r"rank [012] line \d+ x{40}", ln)][:3]
+    for r in range(3):   # a progress bar's \r-updates pass through as they were
+        assert f"rank {r} progress 50%\rrank {r} progress 100%" in lines
+        assert f"warning from rank {r}" in stderr.split("\n")
+        assert f"warning from rank {r}" not in stdout
 
 
 def test_without_a_command_spawn_says_how_to_call_it(tmp_path: Path) -> None:
