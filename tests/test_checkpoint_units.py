@@ -242,3 +242,22 @@ def test_a_compiled_model_checkpoint_loads_into_the_plain_model(tmp_path: Path) 
         assert mgr.restore_latest() == 1
     for k, v in src.state_dict().items():
         assert torch.equal(dst.state_dict()[k], v), k
+
+
+def test_latest_step_lists_committed_steps_without_reading_them(tmp_path: Path) -> None:
+    """What an evaluator polls: the newest committed step; a step without its marker (a
+    save in progress, or one that crashed) does not count."""
+    model = torch.nn.Linear(2, 2)
+    with CheckpointManager(tmp_path, options=CheckpointOptions(async_save=False)) as mgr:
+        assert mgr.latest_step() is None
+        mgr.track(model=model)
+        mgr.save(3)
+        mgr.save(7)
+        assert mgr.latest_step() == 7
+    shutil.copytree(tmp_path / "step-000000000007", tmp_path / "step-000000000009")
+    (tmp_path / "step-000000000009" / "COMMITTED").unlink()
+    follower = CheckpointManager(tmp_path)
+    follower.track(model=torch.nn.Linear(2, 2))
+    assert follower.latest_step() == 7
+    assert follower.restore_latest() == 7
+    follower.close()

@@ -420,10 +420,12 @@ class CheckpointManager:
     def maybe_save(self, step: int) -> bool:
         """Call after each finished step (``step`` = steps done). Saves when the policy says so;
         cheap otherwise. Returns True when a save was started."""
-        if self._error is not None:
-            self._raise_error()
+        # The step is done even when the save before it failed (a peer lost in its
+        # collective): its boundary first, so that this life's hand-over keeps its state.
         if self._ring is not None:
             self._ring.boundary(step, self._rank_state, self.values)
+        if self._error is not None:
+            self._raise_error()
         decision = self.scheduler.decide(step)
         if decision is Decision.SKIP:
             return False
@@ -863,6 +865,13 @@ class CheckpointManager:
         if isinstance(the_plan, Plan):
             self._early = Early(lambda: self._fetch_from_peers(the_plan, sharded=False),
                                 f"the state of step {the_plan.step} from peers")
+
+    def latest_step(self) -> int | None:
+        """The newest committed step in the checkpoint directory (its marker written), or
+        None: a listing, no checkpoint read. For a process that follows a job's checkpoints
+        (an evaluator): call ``restore_latest()`` when it moves."""
+        return max((i.step for i in scan(self.storage, with_manifest=False) if i.committed),
+                   default=None)
 
     def restore_latest(self, *, strict: bool = True) -> int | None:
         """Load the newest state into the tracked objects, the RNGs and ``values``; return

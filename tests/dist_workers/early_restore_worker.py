@@ -6,7 +6,8 @@ Life 1: both ranks train 4 steps (the ring keeps each rank's RNG and values at e
 boundary) and hand over. Life 2: both call start_restore; rank 1 waits until the
 transfer is over and only then builds its model (with other initial weights) and
 optimizer, tracks them and restores. Each rank writes ``$RESULT_DIR/rankR.pt``: its
-weights, the optimizer's state, the restore record, and a draw from its RNG."""
+weights, the optimizer's state, the restore record, and a draw from its RNG.
+``FAIL_LAST_SAVE=1``: rank 0's last boundary raises a failed background save."""
 import logging
 import os
 from dataclasses import asdict
@@ -52,6 +53,15 @@ def main() -> None:
             dist.all_reduce(p.grad)
             p.grad /= 2
         opt.step()
+        if step + 1 == STEPS and rank == 0 and os.environ.get("FAIL_LAST_SAVE"):
+            # The save before failed in the background, as when a peer is lost in its
+            # collective: the next boundary raises it, and the step is done all the same.
+            mgr._error = ConnectionError("injected: the previous save lost a peer")
+            try:
+                mgr.maybe_save(step + 1)
+            except Exception as exc:  # noqa: BLE001 - what ends this life
+                print(f"rank 0: the boundary raised {type(exc).__name__}: {exc}", flush=True)
+            continue
         mgr.maybe_save(step + 1)
     # The life ends (a peer lost, in a real job, which takes longer than this): by then
     # each rank's last ring message has reached its neighbour.
