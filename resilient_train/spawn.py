@@ -39,6 +39,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -176,8 +177,10 @@ class Supervisor:
                      self.envs[0]["WORLD_SIZE"])
             return self._wait()
         finally:
-            for relay in self._relays:   # what the processes wrote last, before we exit
-                relay.join(RELAY_DRAIN_S)
+            # What the processes wrote last, before we exit: one deadline for all of them.
+            drained_by = time.monotonic() + RELAY_DRAIN_S
+            for relay in self._relays:
+                relay.join(max(0.0, drained_by - time.monotonic()))
             for sig, handler in old.items():
                 signal.signal(sig, handler)
             if self._killer is not None:
