@@ -327,9 +327,6 @@ class CheckpointManager:
         self.known = KnownSteps()
         group = getattr(self.coord, "main_group", None)
         self._ring: PeerRing | None = None
-        # The buffers at the last step boundary, which a survivor of a failed step puts
-        # back (stepwrites.py). With the peer ring only.
-        self._writes: StepWrites | None = None
         # The ring also carries each rank's RNG and values to the next rank's node-local
         # copy (nodelocal.py): a rank on a new machine finds them on its neighbour's disk.
         if (self.options.peer_recovery or self.options.node_local is not None) \
@@ -340,9 +337,8 @@ class CheckpointManager:
                 local_address(os.environ.get("MASTER_ADDR", "127.0.0.1"),
                               int(os.environ.get("MASTER_PORT", "0") or 0)),
                 self.coord.broadcast(new_token()), timeout_s=RING_TIMEOUT_S)
-            self._writes = StepWrites(self._tracked)
             self._ring = PeerRing(self.rank, self.world_size, group, link,
-                                  peer_memory or process_memory(), self._writes)
+                                  peer_memory or process_memory(), StepWrites(self._tracked))
         self._early: Early[_FromPeers] | None = None   # start_restore's transfers
         self.last_restore: RestoreRecord | None = None
         # The step pre-hooks on tracked optimizers, removed at close: a hook would keep
@@ -975,11 +971,7 @@ class CheckpointManager:
         than the persistent tier's newest, that every rank can get from its own disk or
         another rank's; else why not."""
         assert self._local is not None
-        newest = None
-        if self.is_primary:
-            committed = [i.step for i in scan(self.storage, with_manifest=False) if i.committed]
-            newest = max(committed, default=None)
-        newest = self.coord.broadcast(newest)
+        newest = self.coord.broadcast(self.latest_step() if self.is_primary else None)
         reports = self.coord.allgather(self._local.report(newest))
         bad: set[int] = set()
         while True:
