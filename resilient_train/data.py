@@ -9,6 +9,13 @@ order interleaved (rank r takes every W-th), so what has been consumed is always
 of the epoch order: the state is the same on every rank and does not depend on the world
 size, and a run resumed with a different number of workers still covers the rest of the
 epoch with the same count on every rank.
+
+Randomness in the dataset's ``__getitem__`` (a random crop, a flip, noise) is drawn, in a
+loader worker process, from that worker's global RNGs, whose state depends on which
+batches the worker has loaded since its iterator started: a resumed run would augment the
+same samples differently. So each sample's loading is seeded from (seed, epoch, index)
+alone, as Grain does per record: the same sample gets the same draws whichever worker
+loads it, after any resume, with any number of workers.
 """
 
 from __future__ import annotations
@@ -16,6 +23,8 @@ from __future__ import annotations
 import hashlib
 import logging
 import math
+import random
+import sys
 from collections.abc import Iterator, Mapping, Sized
 from typing import Any, cast
 
@@ -152,6 +161,71 @@ class ResumableSampler(Sampler[int]):
                      consumed, self.num_replicas, epoch, self.num_replicas)
 
 
+_MASK64 = (1 << 64) - 1
+
+
+def _mix64(x: int) -> int:
+    """splitmix64's finalizer: neighbouring inputs give unrelated 64-bit outputs."""
+    x = (x + 0x9E3779B97F4A7C15) & _MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return x ^ (x >> 31)
+
+
+def sample_seed(seed: int, epoch: int, index: int) -> int:
+    """The 64-bit seed of loading sample ``index`` in ``epoch`` of a loader seeded ``seed``."""
+    return _mix64(_mix64(_mix64(seed & _MASK64) ^ epoch) ^ index)
+
+
+def seed_global_rngs(seed: int) -> None:
+    """Seed the global RNGs a dataset's ``__getitem__`` draws from: torch's CPU generator,
+    ``random`` and, where it is loaded, numpy's legacy ``np.random`` (about 7 us)."""
+    torch.default_generator.manual_seed(seed)   # not torch.manual_seed: 80 us, CUDA's too
+    random.seed(seed)
+    np = sys.modules.get("numpy")   # never imported here for a dataset that does not use it
+    if np is not None:
+        np.random.seed(seed & 0xFFFFFFFF)
+
+
+class _KeyedSampler(Sampler[tuple[int, int]]):
+    """The sampler's indices, each with its epoch: what a worker needs to seed a sample."""
+
+    def __init__(self, sampler: ResumableSampler) -> None:
+        self.sampler = sampler
+
+    def __iter__(self) -> Iterator[tuple[int, int]]:
+        epoch = self.sampler.epoch
+        return ((i, epoch) for i in self.sampler)   # iter(sampler) runs now, at iter()
+
+    def __len__(self) -> int:
+        return len(self.sampler)
+
+
+class _SeededSamples(Dataset[Any]):
+    """The user's dataset, each sample loaded after seeding the worker's global RNGs from
+    (seed, epoch, index). A dataset with ``__getitems__`` (a batched read) gets one seed per
+    batch, its first sample's."""
+
+    def __init__(self, dataset: Any, seed: int) -> None:
+        self.dataset, self.seed = dataset, seed
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, key: tuple[int, int]) -> Any:
+        index, epoch = key
+        seed_global_rngs(sample_seed(self.seed, epoch, index))
+        return self.dataset[index]
+
+
+class _SeededBatches(_SeededSamples):
+    def __getitems__(self, keys: list[tuple[int, int]]) -> Any:
+        if keys:
+            index, epoch = keys[0]
+            seed_global_rngs(sample_seed(self.seed, epoch, index))
+        return self.dataset.__getitems__([index for index, _ in keys])
+
+
 class ResumableLoader:
     """A DataLoader whose position (epoch, samples consumed) is part of the checkpoint.
 
@@ -170,12 +244,18 @@ class ResumableLoader:
     RNG at each ``iter()``, shifting the training RNG stream; the loader gets its own
     generator, seeded from (seed, epoch, consumed, rank) before each ``iter()``, so data
     loading never touches the global RNG and worker seeds are a function of the position
-    (unless you pass ``generator=``: it is used as is). Randomness inside the dataset's
-    ``__getitem__`` in worker processes is not checkpointed (which worker gets which batch
-    depends on where the iteration started): derive it from the sample index (and epoch)
-    for a bit-exact resume. With ``num_workers=0`` it comes from the global RNG, which the
-    checkpoint does save. ``persistent_workers`` keeps the worker seeds of the first
-    ``iter()``.
+    (unless you pass ``generator=``: it is used as is). ``persistent_workers`` keeps the
+    worker seeds of the first ``iter()``.
+
+    Randomness inside the dataset's ``__getitem__``: in worker processes
+    (``num_workers > 0``) each sample is loaded right after the worker's global RNGs
+    (torch's CPU generator, ``random``, numpy's ``np.random``) are seeded from (seed,
+    epoch, sample index), so its draws do not depend on which worker loads it, nor on
+    where the iteration started: a resume augments every sample as the uninterrupted run
+    did (``seed_per_sample=False`` keeps the DataLoader's seeding, once per worker, which
+    a resume does not reproduce). Generators of the dataset's own are not reseeded. With
+    ``num_workers=0`` samples draw from the main process's global RNGs, which the
+    checkpoint saves.
 
     Restore (``load_state_dict``) before drawing the first batch: an iterator that was live
     when the state was loaded raises on its next batch. ``@rt.main``'s ``ctx.steps()``
@@ -188,7 +268,8 @@ class ResumableLoader:
 
     def __init__(self, dataset: Any, *, batch_size: int, shuffle: bool = True, seed: int = 0,
                  drop_last: bool = False, num_replicas: int | None = None,
-                 rank: int | None = None, **dataloader_kwargs: Any) -> None:
+                 rank: int | None = None, seed_per_sample: bool = True,
+                 **dataloader_kwargs: Any) -> None:
         owned = [k for k in self._OWNED if k in dataloader_kwargs]
         if owned:
             raise TypeError(
@@ -220,9 +301,13 @@ class ResumableLoader:
         if workers and forkwatch.forks(dataloader_kwargs.get("multiprocessing_context")):
             self._marks = forkwatch.StartMarks(workers, dataloader_kwargs.get("worker_init_fn"))
             dataloader_kwargs["worker_init_fn"] = self._marks
+        sampler: Sampler[Any] = self.sampler
+        if workers and seed_per_sample:
+            seeded = _SeededBatches if getattr(dataset, "__getitems__", None) else _SeededSamples
+            dataset, sampler = seeded(dataset, seed), _KeyedSampler(self.sampler)
         self.loader: DataLoader[Any] = DataLoader(
-            cast("Dataset[Any]", dataset), batch_size=batch_size, sampler=self.sampler, drop_last=drop_last,
-            **dataloader_kwargs)
+            cast("Dataset[Any]", dataset), batch_size=batch_size, sampler=sampler,
+            drop_last=drop_last, **dataloader_kwargs)
         self._restores = 0  # bumped by load_state_dict: a live iterator notices and stops
         # Under @rt.main: the Context (its .step counts finished steps), and the position at
         # the start of the step in flight, taken at its first fetch: the position to save if

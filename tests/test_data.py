@@ -7,12 +7,14 @@ import io
 import itertools
 import json
 import os
+import random
 import subprocess
 import sys
 from collections import Counter
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, TensorDataset
@@ -41,6 +43,20 @@ class RandomDataset(IndexDataset):
 
     def __getitem__(self, i: int) -> Any:
         return i, torch.rand(())
+
+
+class AugmentedDataset(IndexDataset):
+    """Augments as users write it: draws from torch's, random's and numpy's global RNGs."""
+
+    def __getitem__(self, i: int) -> Any:
+        return i, torch.rand(()) + random.random() + float(np.random.rand())
+
+
+class BatchedAugmentedDataset(AugmentedDataset):
+    """Reads a batch at once (``__getitems__``), drawing as it goes."""
+
+    def __getitems__(self, indices: list[int]) -> list[Any]:
+        return [("batched", *AugmentedDataset.__getitem__(self, i)) for i in indices]
 
 
 def tensor_dataset() -> TensorDataset:
@@ -257,6 +273,57 @@ def test_worker_seeds_follow_the_position_not_the_global_rng() -> None:
         loader = ResumableLoader(RandomDataset(), batch_size=BATCH, seed=9, num_workers=2)
         values.append(torch.cat([b[1] for b in take(loader.forever(), 3)]))
     assert torch.equal(values[0], values[1])
+
+
+@pytest.mark.parametrize(("dataset", "persistent", "cut"), [
+    (AugmentedDataset(), False, 3), (AugmentedDataset(), True, 12),
+    (BatchedAugmentedDataset(), False, 7)])
+def test_a_resume_augments_every_sample_as_the_uninterrupted_run_did(
+        dataset: IndexDataset, persistent: bool, cut: int) -> None:
+    """In a worker process the global RNGs' state depends on which batches that worker
+    loaded since its iterator started; a resumed run starts a new iterator mid-epoch."""
+    def make() -> ResumableLoader:
+        return ResumableLoader(dataset, batch_size=BATCH, seed=5, num_replicas=2, rank=1,
+                               num_workers=2, persistent_workers=persistent)
+
+    total = 2 * len(make()) + 3   # into the third epoch
+    reference = take(make().forever(), total)
+    killed = make()
+    before = take(killed.forever(), cut)
+    resumed = make()
+    resumed.load_state_dict(weights_only_roundtrip(killed.state_dict()))
+    after = take(resumed.forever(), total - cut)
+    if isinstance(dataset, BatchedAugmentedDataset):
+        assert all(list(b[0]) == ["batched"] * len(b[0]) for b in reference)  # its own read
+        reference, before, after = ([b[1:] for b in part] for part in (reference, before, after))
+    assert_same_batches(before + after, reference)
+
+
+def test_a_samples_draws_do_not_depend_on_the_worker_that_loads_it() -> None:
+    one, three = (take(ResumableLoader(AugmentedDataset(), batch_size=BATCH, seed=5,
+                                       num_workers=workers).forever(), 12)
+                  for workers in (1, 2))
+    assert_same_batches(one, three)
+
+
+def test_each_epoch_draws_anew_also_with_persistent_workers() -> None:
+    loader = ResumableLoader(AugmentedDataset(), batch_size=BATCH, shuffle=False,
+                             num_workers=2, persistent_workers=True)
+    first, second = (torch.cat([b[1] for b in loader]) for _ in range(2))
+    assert loader.epoch == 2
+    assert not torch.isclose(first, second).any()
+
+
+@pytest.mark.parametrize(("workers", "seed_per_sample"), [(0, True), (2, False)])
+def test_the_dataloader_gets_the_dataset_itself_where_samples_are_not_seeded(
+        workers: int, seed_per_sample: bool) -> None:
+    # With no worker the samples draw from the main process's RNGs, which checkpoints save.
+    ds = AugmentedDataset()
+    loader = ResumableLoader(ds, batch_size=BATCH, num_workers=workers,
+                             seed_per_sample=seed_per_sample)
+    assert loader.loader.dataset is ds
+    assert as_indices([b[0] for b in take(loader.forever(), 2)]) == \
+        as_indices([b[0] for b in take(ResumableLoader(ds, batch_size=BATCH).forever(), 2)])
 
 
 def test_a_users_generator_is_kept() -> None:

@@ -1,6 +1,7 @@
 """A DDP job whose every kind of state matters for an exact resume: dropout (the RNG),
 batch norm's running statistics (buffers the forward writes), a shuffled ResumableLoader
-with a worker process (the data position), AdamW and a schedule (the optimizer), per-rank
+with a worker process (the data position; its augmentation draws from the worker's
+global RNGs), AdamW and a schedule (the optimizer), per-rank
 ``ctx.values``. ``find_unused_parameters=True`` keeps DDP's first bucket layout, so 3
 ranks sum in the same order after a resume (docs/checkpointing.md).
 
@@ -11,9 +12,11 @@ and every rank ``rank{R}.pt``: its ``values`` and four draws from its RNG at the
 ``PEER_DDP_FSDP=1`` shards the model with FSDP2 (``fully_shard``) instead of DDP.
 """
 import os
+import random
 import sys
 import time
 
+import numpy as np
 import torch
 from torch import nn
 from torch.utils.data import Dataset
@@ -87,7 +90,9 @@ class Data(Dataset):
 
     def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
         x = torch.randn(16, generator=torch.Generator().manual_seed(i))
-        return x, x[:4].sum(dim=0, keepdim=True).tanh()
+        # An augmentation, as users write them, from the loader worker's global RNGs.
+        noise = 0.05 * torch.randn(16) * (1 + random.random()) + float(np.random.normal())
+        return x + 0.01 * noise, x[:4].sum(dim=0, keepdim=True).tanh()
 
 
 def train(ctx: rt.Context) -> None:
