@@ -9,6 +9,7 @@ import io
 import logging
 import pickle
 import random
+import subprocess
 import sys
 from collections import OrderedDict
 from pathlib import Path
@@ -625,3 +626,40 @@ def test_tree_on_host_sees_tensors_off_the_cpu() -> None:
     assert tree_on_host({"a": [torch.ones(2), (1, "x")], "b": {"c": torch.zeros(1)}})
     assert tree_on_host({"no": "tensors"})
     assert not tree_on_host({"a": [torch.ones(2), torch.empty(3, device="meta")]})
+
+
+_RANK_LOCAL = """
+import sys, torch, torch.distributed as dist
+from torch.distributed.fsdp import FullyShardedDataParallel
+from torch.distributed.optim import ZeroRedundancyOptimizer
+from resilient_train import CheckpointManager
+dist.init_process_group("gloo", init_method="file://" + sys.argv[1] + "/store",
+                        rank=0, world_size=1)
+fsdp1 = FullyShardedDataParallel(torch.nn.Sequential(torch.nn.Linear(2, 2)),
+                                 device_id=torch.device("cpu"))
+zero = ZeroRedundancyOptimizer(torch.nn.Linear(2, 2).parameters(),
+                               optimizer_class=torch.optim.SGD, lr=0.1)
+with CheckpointManager(sys.argv[1] + "/ckpt") as mgr:
+    for name, obj in (("model", fsdp1), ("opt", zero)):
+        try:
+            mgr.track(**{name: obj})
+        except TypeError as exc:
+            print(exc)
+    mgr.track(ok=torch.nn.Linear(2, 2))
+    print("tracked", sorted(mgr._tracked))
+dist.destroy_process_group()
+"""
+
+
+def test_state_that_no_rank_can_save_alone_is_refused_at_track_naming_the_fix(
+        tmp_path: Path) -> None:
+    """FSDP1's state_dict() is a collective (the primary's save alone would hang) and ZeRO's
+    raises until consolidated: both are refused when tracked, before any training."""
+    out = subprocess.run([sys.executable, "-c", _RANK_LOCAL, str(tmp_path)],
+                         capture_output=True, text=True, timeout=120, check=True).stdout
+    fsdp1, zero, tracked = out.strip().splitlines()
+    assert "FullyShardedDataParallel (FSDP1)" in fsdp1 and "first save would hang" in fsdp1
+    assert "fully_shard(model)" in fsdp1
+    assert "ZeroRedundancyOptimizer" in zero and "consolidate_state_dict()" in zero
+    assert "reshard_after_forward=False" in zero
+    assert tracked == "tracked ['ok']"   # nothing refused was tracked

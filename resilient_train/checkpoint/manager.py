@@ -88,6 +88,7 @@ from .state import (
     check_weights_only,
     collect,
     has_dtensor,
+    refuse_rank_local_state,
     restore,
     restore_rng,
     tree_on_host,
@@ -400,6 +401,8 @@ class CheckpointManager:
         wrapped (DDP) is tracked as the module underneath, so that its checkpoint's keys do
         not depend on the wrapping (state.unwrap_model)."""
         objects = {name: unwrap_model(obj) for name, obj in objects.items()}
+        for name, obj in objects.items():
+            refuse_rank_local_state(name, obj)
         self._tracked.update(objects)
         import torch
 

@@ -846,6 +846,31 @@ def unwrap_model(obj: Any) -> Any:
     return obj
 
 
+def refuse_rank_local_state(name: str, obj: Any) -> None:
+    """Raise TypeError, naming the fix, for an object whose state no one rank can save:
+    FSDP1 and ``ZeroRedundancyOptimizer`` keep part of it on each rank, and their
+    ``state_dict()`` is a collective that the primary, saving alone, would wait in
+    forever (FSDP1) or that raises (ZeRO, unconsolidated). Both by class name: importing
+    their modules costs seconds."""
+    if isinstance(obj, torch.nn.Module) and any(
+            type(m).__name__ == "FullyShardedDataParallel" for m in obj.modules()):
+        raise TypeError(
+            f"ctx.track({name}=...) got a model wrapped in FullyShardedDataParallel (FSDP1): "
+            "its state_dict() is a collective every rank must call together and its shards "
+            "are ShardedTensors, which these checkpoints cannot save (the first save would "
+            "hang). Shard it with FSDP2 instead, torch.distributed.fsdp.fully_shard(model), "
+            "whose state is saved sharded and rebuilt from peers "
+            '(docs/checkpointing.md, "How a save works")')
+    if type(obj).__name__ == "ZeroRedundancyOptimizer":
+        raise TypeError(
+            f"ctx.track({name}=...) got a ZeroRedundancyOptimizer: each rank holds only its "
+            "part of the optimizer state, and state_dict() raises unless every rank first "
+            "calls consolidate_state_dict(), so no rank can save it alone. Use a plain "
+            "optimizer under DDP, or shard the optimizer state with FSDP2 "
+            "(fully_shard(model, reshard_after_forward=False) shards it as ZeRO-2 does), "
+            "whose state is saved sharded")
+
+
 def _rekeyed(name: str, module: torch.nn.Module, sd: Mapping[str, Any]) -> Mapping[str, Any]:
     """``sd`` under ``module``'s keys where the two differ only by a wrapper's prefix (a
     checkpoint of a DDP-wrapped or compiled model, restored into the bare one, or the other
