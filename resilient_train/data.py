@@ -315,9 +315,13 @@ class ResumableLoader:
         self._steps: Any = None
         self._boundary_step: int | None = None
         self._boundary = (0, 0)   # (epoch, consumed)
+        self._epoch_read_early: int | None = None   # .epoch as read before the restore
 
     @property
     def epoch(self) -> int:
+        if self._steps is not None and not self._steps._began and \
+                self._epoch_read_early is None:
+            self._epoch_read_early = self.sampler.epoch   # the restore warns if it moves
         return self.sampler.epoch
 
     def __len__(self) -> int:
@@ -411,7 +415,7 @@ class ResumableLoader:
 
     def _follow_steps(self, steps: Any) -> None:
         """Take the step boundaries from ``steps.step`` (``ctx.track`` passes the Context)."""
-        self._steps, self._boundary_step = steps, None
+        self._steps, self._boundary_step, self._epoch_read_early = steps, None, None
 
     def _rewind_to_boundary(self) -> None:
         """Set the position back to the start of the step in flight, undoing the batches

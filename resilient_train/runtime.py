@@ -105,6 +105,7 @@ class Context:
         self.restored_step: int | None = None
         self._loaders: dict[str, Any] = {}   # tracked ResumableLoaders, by name
         self._began = False   # restored: from here a failure hands this life's state over
+        self._unreported = False   # restored, and the restore not yet in the telemetry
 
     @property
     def rank(self) -> int:
@@ -129,6 +130,11 @@ class Context:
 
     def track(self, **objects: Any) -> None:
         """Objects with state_dict/load_state_dict: model, optimizer, scheduler, scaler."""
+        if self._began:
+            log.warning(
+                "ctx.track(%s) after this life's restore: saved from now on, but a restarted "
+                "run will not restore it, as the restore has run when it is tracked: track "
+                "everything before ctx.steps() or ctx.restore()", ", ".join(objects))
         self.checkpoints.track(**objects)
         from .data import ResumableLoader
 
@@ -139,21 +145,45 @@ class Context:
             else:
                 self._loaders.pop(name, None)
 
-    def steps(self, total: int) -> Iterator[int]:
-        """Restore the latest checkpoint, then yield the remaining step indices; after each
-        step, save by policy (or on SIGTERM: save and exit 134) and feed the watchdog."""
+    def restore(self) -> int | None:
+        """Restore the latest checkpoint into the tracked objects, RNGs and ``values`` now,
+        once per life, and return its step (None on a fresh start). ``ctx.steps`` calls it
+        at its first iteration; call it first where the code before the loop reads restored
+        state (``data.epoch``, ``ctx.values``, a scheduler's last epoch)."""
+        if self._began:
+            return self.restored_step
+        before = {name: loader._epoch_read_early for name, loader in self._loaders.items()}
         start = self.checkpoints.restore_latest() or 0
         self.restored_step = start or None
         self.step = start
         self._began = True
         if start:
             log.info("resuming after step %d", start)
+        for name, read in before.items():
+            now = self._loaders[name].epoch
+            if read is not None and read != now:
+                log.warning(
+                    "%s.epoch was read before the restore (it was %d; the checkpoint's is "
+                    "%d), so what the code before the loop computed from it is stale: read "
+                    "it inside the loop, or call ctx.restore() before reading it", name,
+                    read, now)
+        self._unreported = self.checkpoints.last_restore is not None
+        return self.restored_step
+
+    def steps(self, total: int) -> Iterator[int]:
+        """Restore the latest checkpoint (unless ``ctx.restore()`` has), then yield the
+        remaining step indices; after each step, save by policy (or on SIGTERM: save and
+        exit 134) and feed the watchdog. A second loop in the same life goes on from the
+        step the first ended at."""
+        self.restore()
+        start = self.step
         mgr, group, tele = self.checkpoints, self.group, _telemetry()
         if tele is not None:
             tele.begin_segment(start, self.rank)   # the launcher's goodput (telemetry.py)
-            if mgr.last_restore is not None:   # the job record's recoveries
-                tele.event("restore", **asdict(mgr.last_restore),
+            if self._unreported:   # the job record's recoveries
+                tele.event("restore", **asdict(mgr.last_restore),  # type: ignore[arg-type]
                            generation=getattr(group, "generation", 0))
+        self._unreported = False
         # torch installs its DataLoader SIGCHLD handler with the first multi-process
         # iterator: from then on a worker's death raises at a batch only (sigterm.py).
         loading = sys.modules.get("torch.utils.data._utils.signal_handling")

@@ -97,3 +97,32 @@ def test_named_barriers_meet_again_after_an_in_process_recovery(tmp_path: Path) 
     assert len(job["attempts"]) == 1, out[-3000:]      # recovered in-process, no job retry
     assert "process group re-formed at generation 1" in out
     assert "BarrierTimeoutError" not in out
+
+
+def test_state_read_before_the_loop_is_restored_by_ctx_restore_or_named_stale(
+        tmp_path: Path) -> None:
+    """ctx.steps restores at its first iteration, so code before the loop reads fresh
+    state: a run resumed at step 12 (epoch 2) read epoch 0. ctx.restore() restores
+    first (once: the loop does not again); reading early without it is named."""
+    script = Path(__file__).parent / "runtime_workers" / "state_before_loop.py"
+
+    def life(steps: int, **env: str) -> subprocess.CompletedProcess[str]:
+        proc = subprocess.run([sys.executable, str(script)], text=True, capture_output=True,
+                              timeout=120, check=False,
+                              env=outside_env() | {"CKPT": str(tmp_path / "ckpt"),
+                                                   "STEPS": str(steps)} | env)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        return proc
+
+    first = life(12, LATE="1")
+    assert "restore()=not called epoch_before_loop=0\nfirst_step=0 restored_again=True" \
+        in first.stdout
+    assert "ctx.track(late) after this life's restore" in first.stderr
+    stale = life(14)
+    assert "epoch_before_loop=0\nfirst_step=12 restored_again=True" in stale.stdout
+    assert "data.epoch was read before the restore (it was 0; the checkpoint's is 2)" \
+        in stale.stderr
+    early = life(16, EARLY="1")
+    assert "restore()=14 epoch_before_loop=2\nfirst_step=14 restored_again=False" \
+        in early.stdout
+    assert "was read before the restore" not in early.stderr
