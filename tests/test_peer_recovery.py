@@ -460,3 +460,23 @@ def test_an_fsdp2_job_rebuilds_a_lost_ranks_shard_from_its_neighbours_memory(
     new = [e for e in events if "workerpool1-0.restart-1" in e["life"]]
     assert len(events) == 3 and new and new[0]["bytes_read"]["peer"] > 0, events
     assert_same_end(clean, faulted, ranks=3)
+
+
+def test_a_fused_optimizers_step_before_the_failure_tears_the_survivor(
+        tmp_path: Path) -> None:
+    """A fused optimizer writes the parameters without moving their version counters: its
+    step pre-hook says the step began, so a survivor whose step failed after it (a loss
+    all-reduced after opt.step()) hands over nothing, rather than a step ahead."""
+    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()),
+               RESULT_DIR=str(tmp_path), CKPT_DIR=str(tmp_path / "ckpt"),
+               GLOO_SOCKET_IFNAME="lo", FUSED_TORN="1")
+    worker = HERE / "dist_workers" / "early_restore_worker.py"
+    procs = [subprocess.Popen([sys.executable, str(worker)], env=env | {"RANK": str(r)},
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+             for r in range(2)]
+    outs = [p.communicate(timeout=120)[0].decode(errors="replace") for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], outs
+    for r in range(2):
+        got = torch.load(tmp_path / f"rank{r}.pt", weights_only=True)
+        assert got["step"] is None and got["record"]["source"] != "peer", got["record"]
+    assert "its step 5 had already changed the model's parameters" in outs[0], outs[0]

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 import pytest
 import torch
@@ -48,6 +49,25 @@ def test_a_step_whose_optimizer_already_stepped_cannot_be_undone() -> None:
     opt.step()
     assert writes.undo().startswith("had already changed the model's parameters")
     assert StepWrites({"model": model}).undo().startswith("had begun before any step")
+
+
+@pytest.mark.parametrize("make", [
+    lambda ps: torch.optim.AdamW(ps, fused=True),
+    lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9, fused=True)])
+def test_a_fused_optimizer_s_step_is_seen_though_it_moves_no_version(make: Any) -> None:
+    model = bn_model()
+    opt = make(model.parameters())
+    writes = StepWrites({"model": model, "optimizer": opt})
+    handle = writes.watch(opt)
+    writes.boundary()
+    model(torch.randn(16, 4)).sum().backward()
+    versions = [p._version for p in model.parameters()]
+    opt.step()
+    assert [p._version for p in model.parameters()] == versions   # why versions miss it
+    assert writes.undo().startswith("had already changed the model's parameters")
+    writes.boundary()   # the next step's boundary: nothing stepped since
+    assert writes.undo() == ""
+    handle.remove()
 
 
 def test_a_rank_s_own_buffers_go_over_the_replicated_ones() -> None:

@@ -411,6 +411,8 @@ class CheckpointManager:
                 self._hooked.add(id(obj))
                 if self._ring is not None:
                     self._hooks.append(self._ring.watch_optimizer(obj, self._rank_state))
+                    # After the ring's hook: a step whose exchange failed has not begun.
+                    self._hooks.append(self._ring.writes.watch(obj))
                 # The snapshot of a save may still be copying what this step overwrites.
                 self._hooks.append(obj.register_step_pre_hook(self._before_optimizer_step))
 

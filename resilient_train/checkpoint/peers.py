@@ -129,7 +129,7 @@ class PeerRing:
         self.group = group                  # the restore's transfers (transfer.py)
         self.link = link                    # the per-step messages (ringlink.py)
         self.memory = memory
-        self._writes = writes               # what the step in flight wrote in place
+        self.writes = writes                # what the step in flight wrote in place
         self._sent_for: int | None = None   # the step whose early copy went round the ring
         self._sent: bytes = b""             # ... and what it was
         self._sent_print: Any = None        # ... and its fingerprint
@@ -177,7 +177,7 @@ class PeerRing:
         which is cheaper than capturing it all again."""
         self._take_arrived()
         self._done = step
-        self._writes.boundary()
+        self.writes.boundary()
         early = self._sent_for == step
         same = early and _fingerprint(values) == self._sent_print
         if same:
@@ -221,7 +221,7 @@ class PeerRing:
         if step not in m.own:
             m.why_not = f"no snapshot of its own state at step {step}"
             return
-        torn = self._writes.undo()   # the forward's buffer writes are put back
+        torn = self.writes.undo()   # the forward's buffer writes are put back
         if torn:
             m.why_not = f"its step {step + 1} {torn}"
             return
@@ -254,7 +254,7 @@ class PeerRing:
         """Step ``step`` is loaded (from peers or storage): the boundary that a hand-over
         before the next step compares to, with this rank's state as it is now."""
         self.memory.keep_own(step, dumps_rank_state(rank_state))
-        self._writes.boundary()
+        self.writes.boundary()
         self._done = self._sent_for = step
 
 

@@ -4,9 +4,12 @@ wrote in them put back.
 A survivor whose step failed in a collective hands its live state to the next life only
 if that is the state of the last step boundary (peers.py):
 
-- A **parameter** is written by an optimizer step, which moves its version counter
-  (``Tensor._version``). A survivor whose parameters moved is partly a step ahead (a
-  step with two optimizers, a GAN's, that failed between them) and is not usable.
+- A **parameter** is written by an optimizer step. A survivor whose step had begun an
+  optimizer step is partly a step ahead (a metric all-reduced after ``opt.step()``, or a
+  step with two optimizers, a GAN's, that failed between them) and is not usable. The
+  tracked optimizers' step pre-hooks say when one began: a fused optimizer
+  (``fused=True``) writes without moving version counters (``Tensor._version``), which
+  still catch other in-place writes to parameters (an untracked optimizer's).
 - A **buffer** is written by the forward, before the backward's all-reduce where a lost
   peer is noticed: batch norm's running statistics, and DDP's broadcast of rank 0's
   buffers. Version counters do not tell: batch norm's kernel updates its statistics
@@ -42,12 +45,20 @@ class StepWrites:
     def __init__(self, tracked: Mapping[str, Any]) -> None:
         self._tracked = tracked   # read at each call: a module tracked later counts too
         self._params: int | None = None   # the parameters' version sum at the boundary
+        self._stepped = False   # a watched optimizer's step began since the boundary
         # id(buffer) -> (buffer, its value at the boundary)
         self._copies: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def watch(self, optimizer: torch.optim.Optimizer) -> Any:
+        """Note each step of ``optimizer`` (its hook's handle, for the caller to remove)."""
+        def began(*_: Any) -> None:
+            self._stepped = True
+        return optimizer.register_step_pre_hook(began)
 
     def boundary(self) -> None:
         """A step ended (or a restore loaded one): keep its buffers' values."""
         self._params, buffers = self._walk()
+        self._stepped = False
         copies: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         dst: list[torch.Tensor] = []
         src: list[torch.Tensor] = []
@@ -71,7 +82,7 @@ class StepWrites:
         if self._params is None:
             return "had begun before any step boundary of this life"
         params, buffers = self._walk()
-        if params != self._params:
+        if self._stepped or params != self._params:
             return ("had already changed the model's parameters: its optimizer step had run "
                     "when a collective after it failed (a metric all-reduced after "
                     "opt.step(), which belongs before it, or a second optimizer's step: "

@@ -7,7 +7,9 @@ boundary) and hand over. Life 2: both call start_restore; rank 1 waits until the
 transfer is over and only then builds its model (with other initial weights) and
 optimizer, tracks them and restores. Each rank writes ``$RESULT_DIR/rankR.pt``: its
 weights, the optimizer's state, the restore record, and a draw from its RNG.
-``FAIL_LAST_SAVE=1``: rank 0's last boundary raises a failed background save."""
+``FAIL_LAST_SAVE=1``: rank 0's last boundary raises a failed background save.
+``FUSED_TORN=1``: the optimizer is fused (its step moves no version counter), and life 1
+ends in a fifth step that failed after its optimizer step: no rank holds a boundary."""
 import logging
 import os
 from dataclasses import asdict
@@ -25,7 +27,8 @@ STEPS = 4
 def build(seed: int) -> tuple[nn.Module, torch.optim.Optimizer]:
     torch.manual_seed(seed)
     model = nn.Sequential(nn.Linear(8, 300), nn.ReLU(), nn.Linear(300, 1))
-    return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
+    fused = bool(os.environ.get("FUSED_TORN"))
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-2, fused=fused)
 
 
 def manager(memory: PeerMemory | None = None) -> CheckpointManager:
@@ -63,6 +66,9 @@ def main() -> None:
                 print(f"rank 0: the boundary raised {type(exc).__name__}: {exc}", flush=True)
             continue
         mgr.maybe_save(step + 1)
+    if os.environ.get("FUSED_TORN"):   # step 5: its optimizer step, then the failure
+        model(torch.randn(16, 8)).pow(2).mean().backward()
+        opt.step()
     # The life ends (a peer lost, in a real job, which takes longer than this): by then
     # each rank's last ring message has reached its neighbour.
     dist.barrier()
@@ -77,7 +83,7 @@ def main() -> None:
     mgr.start_restore()
     early = mgr._early
     arrived_first = None
-    if rank == 1:
+    if rank == 1 and not os.environ.get("FUSED_TORN"):
         assert early is not None, "no transfer started"
         arrived_first = early.join(60)   # before anything below was built
     model2, opt2 = build(1 + rank)     # other initial weights: the restore must replace them
