@@ -179,7 +179,7 @@ def sample_seed(seed: int, epoch: int, index: int) -> int:
 
 def seed_global_rngs(seed: int) -> None:
     """Seed the global RNGs a dataset's ``__getitem__`` draws from: torch's CPU generator,
-    ``random`` and, where it is loaded, numpy's legacy ``np.random`` (about 7 us)."""
+    ``random`` and, where it is loaded, numpy's legacy ``np.random`` (7 us here)."""
     torch.default_generator.manual_seed(seed)   # not torch.manual_seed: 80 us, CUDA's too
     random.seed(seed)
     np = sys.modules.get("numpy")   # never imported here for a dataset that does not use it
