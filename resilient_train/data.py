@@ -30,7 +30,7 @@ from typing import Any, cast
 
 import torch
 import torch.distributed as dist
-from torch.utils.data import DataLoader, Dataset, IterableDataset, Sampler
+from torch.utils.data import DataLoader, Dataset, IterableDataset, Sampler, Subset
 
 from . import forkwatch, sigterm
 
@@ -226,6 +226,17 @@ class _SeededBatches(_SeededSamples):
         return self.dataset.__getitems__([index for index, _ in keys])
 
 
+def _reads_batches(dataset: Any) -> bool:
+    """Whether ``dataset`` reads a batch at once (``__getitems__``). torch's ``Subset`` (what
+    ``random_split`` returns) has one that loops over its dataset's samples unless that
+    dataset reads batches itself: such a subset keeps a seed per sample."""
+    if not getattr(dataset, "__getitems__", None):
+        return False
+    if type(dataset).__getitems__ is Subset.__getitems__:
+        return _reads_batches(dataset.dataset)
+    return True
+
+
 class ResumableLoader:
     """A DataLoader whose position (epoch, samples consumed) is part of the checkpoint.
 
@@ -303,7 +314,7 @@ class ResumableLoader:
             dataloader_kwargs["worker_init_fn"] = self._marks
         sampler: Sampler[Any] = self.sampler
         if workers and seed_per_sample:
-            seeded = _SeededBatches if getattr(dataset, "__getitems__", None) else _SeededSamples
+            seeded = _SeededBatches if _reads_batches(dataset) else _SeededSamples
             dataset, sampler = seeded(dataset, seed), _KeyedSampler(self.sampler)
         self.loader: DataLoader[Any] = DataLoader(
             cast("Dataset[Any]", dataset), batch_size=batch_size, sampler=sampler,

@@ -306,6 +306,17 @@ def test_a_samples_draws_do_not_depend_on_the_worker_that_loads_it() -> None:
     assert_same_batches(one, three)
 
 
+def test_a_random_split_keeps_a_seed_per_sample() -> None:
+    # torch's Subset has a __getitems__ that loops over the samples: not a batched read.
+    subset = torch.utils.data.random_split(AugmentedDataset(), [30, 7],
+                                           generator=torch.Generator().manual_seed(0))[0]
+    one, two = (list(ResumableLoader(subset, batch_size=BATCH, seed=5, num_workers=1,
+                                     num_replicas=world, rank=0))   # an epoch
+                for world in (1, 2))   # other batches: a seed per batch would differ
+    draws = {int(i): float(d) for b in one for i, d in zip(*b)}
+    assert all(draws[int(i)] == float(d) for b in two for i, d in zip(*b))
+
+
 def test_each_epoch_draws_anew_also_with_persistent_workers() -> None:
     loader = ResumableLoader(AugmentedDataset(), batch_size=BATCH, shuffle=False,
                              num_workers=2, persistent_workers=True)
