@@ -244,6 +244,20 @@ def test_a_state_tree_moves_point_to_point_and_is_read_once_between_real_process
     assert got[2]["p2p_bytes"] == got[0]["sent_bytes"] == nbytes
 
 
+def early_restore_ranks(tmp_path: Path, **env: str) -> list[str]:
+    """Run dist_workers/early_restore_worker.py as ranks 0 and 1 to the end: their output."""
+    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()),
+               RESULT_DIR=str(tmp_path), CKPT_DIR=str(tmp_path / "ckpt"),
+               GLOO_SOCKET_IFNAME="lo", **env)
+    worker = HERE / "dist_workers" / "early_restore_worker.py"
+    procs = [subprocess.Popen([sys.executable, str(worker)], env=env | {"RANK": str(r)},
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+             for r in range(2)]
+    outs = [p.communicate(timeout=120)[0].decode(errors="replace") for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], outs
+    return outs
+
+
 @pytest.mark.parametrize("fail_last_save", ["", "1"])
 def test_a_restarted_ranks_state_arrives_before_it_has_built_its_model(
         tmp_path: Path, fail_last_save: str) -> None:
@@ -251,18 +265,10 @@ def test_a_restarted_ranks_state_arrives_before_it_has_built_its_model(
     moves in a thread; rank 1 (a new process as far as peer recovery knows) waits for the
     transfer to end, only then builds a model with other initial weights, and restores
     exactly rank 0's step-4 state, its own RNG and values from rank 0's copy."""
-    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()),
-               RESULT_DIR=str(tmp_path), CKPT_DIR=str(tmp_path / "ckpt"),
-               GLOO_SOCKET_IFNAME="lo", FAIL_LAST_SAVE=fail_last_save)
     # FAIL_LAST_SAVE: rank 0's last boundary raises a background save's failure (a peer
     # lost in the save's collective, as in a 2x2 job killed mid-save). The step was done:
     # its state is kept all the same, and the restore still comes from memory.
-    worker = HERE / "dist_workers" / "early_restore_worker.py"
-    procs = [subprocess.Popen([sys.executable, str(worker)], env=env | {"RANK": str(r)},
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-             for r in range(2)]
-    outs = [p.communicate(timeout=120)[0].decode(errors="replace") for p in procs]
-    assert [p.returncode for p in procs] == [0, 0], outs
+    outs = early_restore_ranks(tmp_path, FAIL_LAST_SAVE=fail_last_save)
     if fail_last_save:
         assert "rank 0: the boundary raised TransientCheckpointError" in outs[0], outs[0]
     got = [torch.load(tmp_path / f"rank{r}.pt", weights_only=True) for r in range(2)]
@@ -467,15 +473,7 @@ def test_a_fused_optimizers_step_before_the_failure_tears_the_survivor(
     """A fused optimizer writes the parameters without moving their version counters: its
     step pre-hook says the step began, so a survivor whose step failed after it (a loss
     all-reduced after opt.step()) hands over nothing, rather than a step ahead."""
-    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()),
-               RESULT_DIR=str(tmp_path), CKPT_DIR=str(tmp_path / "ckpt"),
-               GLOO_SOCKET_IFNAME="lo", FUSED_TORN="1")
-    worker = HERE / "dist_workers" / "early_restore_worker.py"
-    procs = [subprocess.Popen([sys.executable, str(worker)], env=env | {"RANK": str(r)},
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-             for r in range(2)]
-    outs = [p.communicate(timeout=120)[0].decode(errors="replace") for p in procs]
-    assert [p.returncode for p in procs] == [0, 0], outs
+    outs = early_restore_ranks(tmp_path, FUSED_TORN="1")
     for r in range(2):
         got = torch.load(tmp_path / f"rank{r}.pt", weights_only=True)
         assert got["step"] is None and got["record"]["source"] != "peer", got["record"]
