@@ -133,7 +133,7 @@ class Context:
         if self._began:
             log.warning(
                 "ctx.track(%s) after this life's restore: saved from now on, but a restarted "
-                "run will not restore it, as the restore has run when it is tracked: track "
+                "run tracks it after its restore too, so it is never restored: track "
                 "everything before ctx.steps() or ctx.restore()", ", ".join(objects))
         self.checkpoints.track(**objects)
         from .data import ResumableLoader

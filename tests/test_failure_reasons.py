@@ -252,8 +252,18 @@ def test_status_tells_restarts_with_a_peer_from_maintenance(
 # --------------------------------------------------------------------------- end to end
 
 def test_a_plain_ddp_job_whose_peer_is_killed_fails_saying_why(e2e: E2E) -> None:
-    status, rec, out = e2e.launch("--workers", "2", "--chaos", "kill:1@step5",
-                                  script="plain_ddp.py", script_args=("1000",))
+    for name in ("job", "again", "third"):
+        status, rec, out = e2e.launch("--workers", "2", "--chaos", "kill:1@step5",
+                                      script="plain_ddp.py", script_args=("1000",), name=name)
+        log = e2e.job_dir(name) / "logs" / "attempt-1" / "workerpool0-0.log"
+        if rec["state"] == "JOB_STATE_FAILED" or \
+                "terminate called without an active exception" not in log.read_text():
+            break
+        # Now and then torch aborts on its way out after the survivor's traceback (134,
+        # from its own threads, in a script that is not ours): a code the platform
+        # retries, and the launcher did. The exit 1 checked here needs a run without.
+        assert any(e["message"] == "workerpool0-0: retry_job (transient-exit-code), "
+                   "job_retries 1/3" for e in rec["events"]), out
     assert (status, rec["state"], rec["exit_status"]) == (1, "JOB_STATE_FAILED", 1), out
     lines = rec["error"]["message"].splitlines()
     assert lines[0] == ("The replica workerpool0-0 exited with a non-zero status of 1. "
@@ -270,8 +280,8 @@ def test_a_plain_ddp_job_whose_peer_is_killed_fails_saying_why(e2e: E2E) -> None
     assert info["metadata"]["peer"] == "workerpool1-0"
     assert 0 <= float(info["metadata"]["seconds_after_peer_loss"]) < PEER_LOSS_WINDOW_S
     assert replica(rec, "workerpool1-0")["exit_codes"][0] == 137
-    assert f"job record: {e2e.job_dir()}/job.json (exit status 1)" in out
-    assert cli.main(["status", str(e2e.job_dir())]) == 0
+    assert f"job record: {e2e.job_dir(name)}/job.json (exit status 1)" in out
+    assert cli.main(["status", str(e2e.job_dir(name))]) == 0
     shown = e2e.capsys.readouterr().out
     assert "\nLikely cause: workerpool1-0 was lost " in shown
     [killed] = [line for line in shown.splitlines() if line.startswith("  workerpool1-0 ")]
