@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import collections
 import ctypes
+import io
 import logging
 import os
 import signal
@@ -24,7 +25,7 @@ import threading
 import time
 from collections.abc import Callable, Mapping, MutableMapping, Sequence
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, Any, cast
 
 import psutil
 
@@ -32,6 +33,7 @@ from ..errors import read_error_report
 from .exits import ProcessExit
 from .logtail import BacktraceFolder, traceback_from_log
 from .policy import Cause
+from .progress import ConsoleLines
 from .resources import kernel_oom_kills, process_tree
 from .watchdog import descendants, start_ticks
 from .workerenv import LAUNCH_ID_ENV, Replica
@@ -91,16 +93,27 @@ class Worker:
         assert self.popen.stdout is not None
         prefix = f"[{self.replica.name}] "
         folder = BacktraceFolder(_shown_path(getattr(self._log, "name", "the replica's log")))
-        for raw in iter(self.popen.stdout.readline, b""):
-            self._log.write(raw)
+        lines = ConsoleLines()
+        out = cast(io.BufferedReader, self.popen.stdout)
+
+        def show(pairs: list[tuple[str, bool]]) -> None:
+            for text, whole in pairs:
+                if not whole:   # a progress bar's update
+                    echo(prefix + text)
+                    continue
+                self.tail.append(text)
+                for shown in folder.feed(text):
+                    echo(prefix + shown)
+
+        # read1: what has arrived, without waiting for a newline that a bar may not write.
+        for chunk in iter(lambda: out.read1(65536), b""):
+            self._log.write(chunk)
             self._log.flush()
-            line = raw.decode("utf-8", "replace").rstrip("\n")
-            self.tail.append(line)
-            for shown in folder.feed(line):
-                echo(prefix + shown)
+            show(lines.feed(chunk))
+        show(lines.flush())
         for shown in folder.flush():
             echo(prefix + shown)
-        self.popen.stdout.close()
+        out.close()
 
     def end(self, injected: Cause) -> None:
         """The launcher ends it on purpose, as ``injected``: a SIGKILL to its whole tree."""
