@@ -4,21 +4,14 @@ terminal leaves them, and a progress bar's updates at most every PROGRESS_EVERY_
 from __future__ import annotations
 
 import pytest
+from test_distributed_init import FakeClock
+from test_launcher_e2e import E2E, PY, e2e  # noqa: F401
 
 from resilient_train.launcher.progress import ConsoleLines
-from test_launcher_e2e import PY, E2E, e2e  # noqa: F401
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 0.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 def test_a_bar_shows_its_latest_update_every_interval_and_its_last_at_the_newline() -> None:
-    clock = Clock()
+    clock = FakeClock()
     lines = ConsoleLines(every_s=10.0, clock=clock)
     assert lines.feed(b"epoch 1\n") == [("epoch 1", True)]
     assert lines.feed(b"\r 10%") == []                    # may still be arriving
