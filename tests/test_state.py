@@ -663,3 +663,15 @@ def test_state_that_no_rank_can_save_alone_is_refused_at_track_naming_the_fix(
     assert "ZeroRedundancyOptimizer" in zero and "consolidate_state_dict()" in zero
     assert "reshard_after_forward=False" in zero
     assert tracked == "tracked ['ok']"   # nothing refused was tracked
+
+
+def test_a_generator_is_refused_at_track_saying_to_keep_it_per_rank(tmp_path: Path) -> None:
+    from resilient_train import CheckpointManager
+
+    gen = torch.Generator().manual_seed(3)
+    with CheckpointManager(tmp_path / "ckpt") as mgr:
+        with pytest.raises(TypeError, match=r"ctx.track\(gen=...\) got a torch.Generator") \
+                as err:
+            mgr.track(gen=gen)
+        assert "ctx.values['gen'] = gen.get_state()" in str(err.value)
+        assert "gen" not in mgr._tracked

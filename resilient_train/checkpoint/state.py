@@ -848,7 +848,8 @@ def unwrap_model(obj: Any) -> Any:
 
 def refuse_rank_local_state(name: str, obj: Any) -> None:
     """Raise TypeError, naming the fix, for an object whose state no one rank can save:
-    FSDP1 and ``ZeroRedundancyOptimizer`` keep part of it on each rank, and their
+    a ``torch.Generator`` is each rank's own stream; FSDP1 and ``ZeroRedundancyOptimizer``
+    keep part of it on each rank, and their
     ``state_dict()`` is a collective that the primary, saving alone, would wait in
     forever (FSDP1) or that raises (ZeRO, unconsolidated). Both by class name: importing
     their modules costs seconds."""
@@ -861,6 +862,14 @@ def refuse_rank_local_state(name: str, obj: Any) -> None:
             "hang). Shard it with FSDP2 instead, torch.distributed.fsdp.fully_shard(model), "
             "whose state is saved sharded and rebuilt from peers "
             '(docs/checkpointing.md, "How a save works")')
+    if isinstance(obj, torch.Generator):
+        raise TypeError(
+            f"ctx.track({name}=...) got a torch.Generator: tracked objects are saved once, "
+            "by the primary, for every rank, and a generator's stream is usually each "
+            "rank's own. Keep its state in ctx.values, which is saved per rank: "
+            f"ctx.values[{name!r}] = {name}.get_state() before opt.step(), and "
+            f"{name}.set_state(ctx.values[{name!r}]) after ctx.restore() when "
+            "ctx.restored_step is set (the global RNGs are saved per rank already)")
     if type(obj).__name__ == "ZeroRedundancyOptimizer":
         raise TypeError(
             f"ctx.track({name}=...) got a ZeroRedundancyOptimizer: each rank holds only its "
