@@ -152,15 +152,14 @@ class Context:
         state (``data.epoch``, ``ctx.values``, a scheduler's last epoch)."""
         if self._began:
             return self.restored_step
-        before = {name: loader._epoch_read_early for name, loader in self._loaders.items()}
         start = self.checkpoints.restore_latest() or 0
         self.restored_step = start or None
         self.step = start
         self._began = True
         if start:
             log.info("resuming after step %d", start)
-        for name, read in before.items():
-            now = self._loaders[name].epoch
+        for name, loader in self._loaders.items():
+            read, now = loader._epoch_read_early, loader.epoch
             if read is not None and read != now:
                 log.warning(
                     "%s.epoch was read before the restore (it was %d; the checkpoint's is "

@@ -847,12 +847,12 @@ def unwrap_model(obj: Any) -> Any:
 
 
 def refuse_rank_local_state(name: str, obj: Any) -> None:
-    """Raise TypeError, naming the fix, for an object whose state no one rank can save:
-    a ``torch.Generator`` is each rank's own stream; FSDP1 and ``ZeroRedundancyOptimizer``
-    keep part of it on each rank, and their
-    ``state_dict()`` is a collective that the primary, saving alone, would wait in
-    forever (FSDP1) or that raises (ZeRO, unconsolidated). Both by class name: importing
-    their modules costs seconds."""
+    """Raise TypeError, naming the fix, for an object whose state the primary cannot save
+    for every rank: a ``torch.Generator`` is each rank's own stream; FSDP1 and
+    ``ZeroRedundancyOptimizer`` keep part of it on each rank, and their ``state_dict()`` is
+    a collective that the primary, saving alone, would wait in forever (FSDP1) or that
+    raises (ZeRO, unconsolidated). Those two by class name: importing their modules costs
+    seconds."""
     if isinstance(obj, torch.nn.Module) and any(
             type(m).__name__ == "FullyShardedDataParallel" for m in obj.modules()):
         raise TypeError(
