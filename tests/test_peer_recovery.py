@@ -478,3 +478,20 @@ def test_a_fused_optimizers_step_before_the_failure_tears_the_survivor(
         got = torch.load(tmp_path / f"rank{r}.pt", weights_only=True)
         assert got["step"] is None and got["record"]["source"] != "peer", got["record"]
     assert "its step 5 had already changed the model's parameters" in outs[0], outs[0]
+
+
+def test_a_rank_lost_after_changing_its_state_past_opt_step_is_named_with_the_fix(
+        tmp_path: Path) -> None:
+    """A rank that once changed its values after its optimizer step (an evaluation's
+    metric) sends the copy that counts only at its steps' ends. Lost between its last
+    optimizer step and that step's end, it leaves no copy of the step: the restore goes to
+    storage, and the line says that this is why and what to change, and the rank itself
+    said so at the step it first did it."""
+    outs = early_restore_ranks(tmp_path, LATE_LOST="1")
+    for r in range(2):
+        got = torch.load(tmp_path / f"rank{r}.pt", weights_only=True)
+        assert got["step"] is None and got["record"]["source"] != "peer", got["record"]
+    assert ("no survivor holds rank 1's RNG and values of step 4: it changes them after "
+            "its optimizer step (it did in step 2)") in outs[0], outs[0]
+    assert "Set ctx.values and draw random numbers before opt.step()" in outs[0], outs[0]
+    assert "rank 1: step 2 changed ctx.values 'best' after opt.step()" in outs[1], outs[1]

@@ -40,7 +40,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from .recovery_plan import Plan, Recovered, Report, carry_out, dumps_rank_state
+from .recovery_plan import Plan, Recovered, Report, carry_out, dumps_rank_state, loads_rank_state
 from .ringlink import Frame, RingLink
 from .state import rng_fingerprint
 from .stepwrites import StepWrites
@@ -55,6 +55,7 @@ KEEP = 2
 _EARLY, _STEP_END = 1, 2
 _FINAL = 1   # flags: sent at the step's end, the state the step ended in
 _LATE = 2    # the sender changes its state after its optimizer step: an early copy is stale
+_CHANGED = 4  # ... and did in this step (the receiver names it when the copy is missing)
 
 
 @dataclass
@@ -64,6 +65,10 @@ class PeerMemory:
     own: dict[int, bytes] = field(default_factory=dict)       # step -> my per-rank state
     partner: dict[int, bytes] = field(default_factory=dict)   # step -> the previous rank's
     partner_rank: int | None = None
+    partner_changed: int | None = None   # the first step it changed after its opt.step
+    # Whether this process has said (or need not say) that its state changes after its
+    # optimizer step: a process that began from a restore was told so in an earlier one.
+    said_changed: bool = False
     replicated: dict[str, Any] | None = None   # the last life's tracked state, at a boundary
     replicated_step: int | None = None
     save_point: tuple[int | None, float] = (None, 0.0)   # last save's (step, time)
@@ -85,7 +90,7 @@ class PeerMemory:
     def keep_partner(self, rank: int, step: int, payload: bytes) -> None:
         if rank != self.partner_rank:
             self.partner = {}
-            self.partner_rank = rank
+            self.partner_rank, self.partner_changed = rank, None
         self.partner[step] = payload
         _trim(self.partner)
 
@@ -183,18 +188,25 @@ class PeerRing:
         if same:
             payload = self._sent
         else:
-            payload = dumps_rank_state(rank_state())
+            state = rank_state()
+            payload = dumps_rank_state(state)
+            if early and not self._late and not self.memory.said_changed:
+                self.memory.said_changed = True
+                _say_changed(self.rank, step, loads_rank_state(self._sent), state)
             self._late = self._late or early   # for good: a step that changed it after
         self.memory.keep_own(step, payload)    # its optimizer step once may do so again
         if same and not self._early_flags & _LATE:
             return   # the early copy counts: nothing more to send (the common case)
         self._sent_for = step
-        self.link.send(_STEP_END, step, _FINAL, payload)
+        changed = _CHANGED if early and not same else 0
+        self.link.send(_STEP_END, step, _FINAL | changed, payload)
 
     def _keep(self, frame: Frame) -> None:
         # A late rank's early copy may be stale: only its step-end copy counts.
         if frame.kind == _STEP_END or not frame.flags & _LATE:
             self.memory.keep_partner(self.link.prev, frame.step, frame.payload)
+        if frame.flags & _CHANGED and self.memory.partner_changed is None:
+            self.memory.partner_changed = frame.step
 
     def _take_arrived(self) -> None:
         """Keep the previous rank's messages that have arrived, without waiting."""
@@ -234,6 +246,7 @@ class PeerRing:
         return Report(rank=self.rank, replicated=() if m.replicated_step is None else
                       (m.replicated_step,), own=tuple(sorted(m.own)),
                       held_for=m.partner_rank, held=tuple(sorted(m.partner)),
+                      held_changed=m.partner_changed,
                       last_commit=m.last_commit_step, save_point=m.save_point,
                       why_not=m.why_not)
 
@@ -253,9 +266,43 @@ class PeerRing:
     def restored(self, step: int, rank_state: Mapping[str, Any]) -> None:
         """Step ``step`` is loaded (from peers or storage): the boundary that a hand-over
         before the next step compares to, with this rank's state as it is now."""
+        if not self.memory.own:   # this process's first life: it began from a restore
+            self.memory.said_changed = True
         self.memory.keep_own(step, dumps_rank_state(rank_state))
         self.writes.boundary()
         self._done = self._sent_for = step
+
+
+def _say_changed(rank: int, step: int, early: Mapping[str, Any],
+                 now: Mapping[str, Any]) -> None:
+    """Say, once, that step ``step`` changed this rank's RNG or values after its optimizer
+    step, and what: from then on its early copies do not count (see
+    :meth:`PeerRing.watch_optimizer`), so a loss of this rank between its optimizer step and
+    its step's end goes back to the last checkpoint. Most scripts do it by accident: an
+    evaluation after ``opt.step()`` stores its metric, and its DataLoader's iterator draws a
+    seed from torch's RNG."""
+    was, is_ = early["values"], now["values"]
+    keys = sorted((k for k in was.keys() | is_.keys()
+                   if _pickled(was.get(k, _NONE)) != _pickled(is_.get(k, _NONE))), key=str)
+    what = [f"ctx.values {', '.join(repr(k) for k in keys)}"] if keys else []
+    rngs = rng_fingerprint(early["rng"]), rng_fingerprint(now["rng"])
+    names = ("torch's RNG", "Python's random", "CUDA's RNG", "NumPy's random")
+    what += [n for n, a, b in zip(names, *rngs) if a != b]
+    # The primary says it; any rank says it at the recovery it costs (recovery_plan.py).
+    (log.warning if rank == 0 else log.info)(
+        "rank %d: step %d changed %s after opt.step(). From now on a peer holds this rank's "
+        "copy of a step only once the step has ended, so losing the rank between its "
+        "optimizer step and its step's end sends the job back to its last checkpoint. "
+        "Set ctx.values and draw random numbers before opt.step() (an evaluation "
+        "DataLoader's iterator draws one from torch's RNG) to recover from memory there too",
+        rank, step, " and ".join(what) or "its state")
+
+
+_NONE = "<not set>"
+
+
+def _pickled(value: Any) -> bytes:   # values may hold tensors, where == is elementwise
+    return pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL)
 
 
 def _fingerprint(values: Mapping[str, Any], rng: Mapping[str, Any] | None = None

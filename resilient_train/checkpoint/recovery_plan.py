@@ -41,6 +41,9 @@ class Report:
     last_commit: int | None
     save_point: tuple[int | None, float]
     why_not: str
+    # The first step at which the rank it holds for changed its RNG or values after its
+    # optimizer step (its early copies stopped counting then; peers.py), or None.
+    held_changed: int | None = None
 
 
 @dataclass(frozen=True)
@@ -91,10 +94,7 @@ def plan(reports: list[Report], *, where: str = "in memory",
                 continue
             givers = [h.rank for h in reports if h.held_for == r.rank and step in h.held]
             if not givers:
-                why = why or (f"no survivor holds rank {r.rank}'s RNG and values of step "
-                              f"{step} (the rank and the next one in the peer ring, which "
-                              f"holds their copy, were both lost, or it died before sending "
-                              f"them)")
+                why = why or _no_copy(r.rank, step, reports)
                 break
             source[r.rank] = min(givers)
         else:
@@ -105,6 +105,23 @@ def plan(reports: list[Report], *, where: str = "in memory",
                         rank_source=source, save_point=holder.save_point,
                         last_commit=newest_commit)
     return NoPlan(why, survivors=True)
+
+
+def _no_copy(rank: int, step: int, reports: list[Report]) -> str:
+    """Why no survivor holds ``rank``'s per-rank state of ``step``, in one line."""
+    changed = [h.held_changed for h in reports
+               if h.held_for == rank and h.held_changed is not None]
+    if changed:
+        # Its early copies stopped counting (peers.py): only a step's end sends one.
+        return (f"no survivor holds rank {rank}'s RNG and values of step {step}: it "
+                f"changes them after its optimizer step (it did in step {min(changed)}), so "
+                f"only the copy sent at its step's end counts, and it was lost before "
+                f"sending that one. Set ctx.values and draw random numbers before "
+                f"opt.step() (an evaluation DataLoader's iterator draws one from torch's "
+                f"RNG) to recover from memory there too")
+    return (f"no survivor holds rank {rank}'s RNG and values of step {step} (the rank "
+            f"and the next one in the peer ring, which holds their copy, were both lost, "
+            f"or it died before sending them)")
 
 
 @dataclass(frozen=True)

@@ -9,7 +9,9 @@ optimizer, tracks them and restores. Each rank writes ``$RESULT_DIR/rankR.pt``: 
 weights, the optimizer's state, the restore record, and a draw from its RNG.
 ``FAIL_LAST_SAVE=1``: rank 0's last boundary raises a failed background save.
 ``FUSED_TORN=1``: the optimizer is fused (its step moves no version counter), and life 1
-ends in a fifth step that failed after its optimizer step: no rank holds a boundary."""
+ends in a fifth step that failed after its optimizer step: no rank holds a boundary.
+``LATE_LOST=1``: rank 1 sets a value after its optimizer step in step 2 (as an evaluation
+does), and is lost after its last optimizer step, before that step's end."""
 import logging
 import os
 from dataclasses import asdict
@@ -56,6 +58,11 @@ def main() -> None:
             dist.all_reduce(p.grad)
             p.grad /= 2
         opt.step()
+        late = rank == 1 and os.environ.get("LATE_LOST")
+        if late and step == 1:
+            mgr.values["best"] = step   # after opt.step(): its early copies stop counting
+        if late and step + 1 == STEPS:
+            continue                    # lost before its step's end: no boundary
         if step + 1 == STEPS and rank == 0 and os.environ.get("FAIL_LAST_SAVE"):
             # The save before failed in the background, as when a peer is lost in its
             # collective: the next boundary raises it, and the step is done all the same.
@@ -83,7 +90,7 @@ def main() -> None:
     mgr.start_restore()
     early = mgr._early
     arrived_first = None
-    if rank == 1 and not os.environ.get("FUSED_TORN"):
+    if rank == 1 and not (os.environ.get("FUSED_TORN") or os.environ.get("LATE_LOST")):
         assert early is not None, "no transfer started"
         arrived_first = early.join(60)   # before anything below was built
     model2, opt2 = build(1 + rank)     # other initial weights: the restore must replace them
