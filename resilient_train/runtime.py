@@ -14,6 +14,7 @@ from __future__ import annotations
 import functools
 import logging
 import os
+import pickle
 import sys
 import time
 from collections.abc import Callable, Iterator
@@ -91,6 +92,54 @@ class MainOptions:
         return replace(base, save_on_sigterm=True if on is None else on)
 
 
+class _Values(dict):  # type: ignore[type-arg]
+    """``ctx.values``: a dict that notes what the code before the restore read (``[]``,
+    ``get``), so that the restore can name a read it made stale (``best =
+    ctx.values.get("best")`` before the loop). ``setdefault`` and ``in`` are not noted:
+    they set defaults, which the restore may replace."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.early: dict[Any, tuple[bytes, str]] | None = {}   # key -> the value read,
+        # pickled (tensors, where == is elementwise, compare too) and shown
+
+    def _note(self, key: Any, value: Any) -> None:
+        if self.early is not None and key not in self.early:
+            self.early[key] = _pickled(value), _shown(value)
+
+    def __getitem__(self, key: Any) -> Any:
+        value = super().__getitem__(key)
+        self._note(key, value)
+        return value
+
+    def get(self, key: Any, default: Any = None) -> Any:
+        self._note(key, super().get(key, _ABSENT))
+        return super().get(key, default)
+
+    def stale_reads(self) -> list[tuple[str, str, str]]:
+        """Stop noting; (``ctx.values[key]``, the value read, the value now) for each key
+        read before now whose value has changed since."""
+        early, self.early = self.early or {}, None
+        now = {key: super(_Values, self).get(key, _ABSENT) for key in early}
+        return [(f"ctx.values[{key!r}]", shown, _shown(now[key]))
+                for key, (was, shown) in early.items() if was != _pickled(now[key])]
+
+
+_ABSENT = "<not set>"
+
+
+def _pickled(value: Any) -> bytes:
+    try:
+        return pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL)
+    except Exception:  # noqa: BLE001 - unpicklable: the save says so, not this check
+        return b""
+
+
+def _shown(value: Any) -> str:
+    text = value if value is _ABSENT else repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
 class Context:
     """One life of the training function: who this process is, and its checkpoints."""
 
@@ -101,6 +150,7 @@ class Context:
         self.options = options
         self.checkpoints = CheckpointManager(options.checkpoint_dir,
                                              options=options.checkpoint_options())
+        self.checkpoints.values = _Values()   # notes reads before the restore (restore())
         self.step = 0                    # steps done (the restored step before the loop)
         self.restored_step: int | None = None
         self._loaders: dict[str, Any] = {}   # tracked ResumableLoaders, by name
@@ -158,14 +208,17 @@ class Context:
         self._began = True
         if start:
             log.info("resuming after step %d", start)
-        for name, loader in self._loaders.items():
-            read, now = loader._epoch_read_early, loader.epoch
-            if read is not None and read != now:
-                log.warning(
-                    "%s.epoch was read before the restore (it was %d; the checkpoint's is "
-                    "%d), so what the code before the loop computed from it is stale: read "
-                    "it inside the loop, or call ctx.restore() before reading it", name,
-                    read, now)
+        stale = [(f"{name}.epoch", str(loader._epoch_read_early), str(loader.epoch))
+                 for name, loader in self._loaders.items()
+                 if loader._epoch_read_early not in (None, loader.epoch)]
+        values = self.checkpoints.values
+        if isinstance(values, _Values):
+            stale += values.stale_reads()
+        for what, was, now in stale:
+            log.warning(
+                "%s was read before the restore (it was %s; the checkpoint's is %s), so what "
+                "the code before the loop computed from it is stale: read it inside the "
+                "loop, or call ctx.restore() before reading it", what, was, now)
         self._unreported = self.checkpoints.last_restore is not None
         return self.restored_step
 

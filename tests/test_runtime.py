@@ -102,8 +102,9 @@ def test_named_barriers_meet_again_after_an_in_process_recovery(tmp_path: Path) 
 def test_state_read_before_the_loop_is_restored_by_ctx_restore_or_named_stale(
         tmp_path: Path) -> None:
     """ctx.steps restores at its first iteration, so code before the loop reads fresh
-    state: a run resumed at step 12 (epoch 2) read epoch 0. ctx.restore() restores
-    first (once: the loop does not again); reading early without it is named."""
+    state: a run resumed at step 12 (epoch 2) read epoch 0, and ctx.values' "best" unset.
+    ctx.restore() restores first (once: the loop does not again); reading early without
+    it is named, setting a default is not."""
     script = Path(__file__).parent / "runtime_workers" / "state_before_loop.py"
 
     def life(steps: int, **env: str) -> subprocess.CompletedProcess[str]:
@@ -115,14 +116,19 @@ def test_state_read_before_the_loop_is_restored_by_ctx_restore_or_named_stale(
         return proc
 
     first = life(12, LATE="1")
-    assert "restore()=not called epoch_before_loop=0\nfirst_step=0 restored_again=True" \
-        in first.stdout
+    assert "restore()=not called epoch_before_loop=0 best=100.0\nfirst_step=0 " \
+        "restored_again=True" in first.stdout
     assert "ctx.track(late) after this life's restore" in first.stderr
+    assert "was read before the restore" not in first.stderr   # nothing to restore
     stale = life(14)
-    assert "epoch_before_loop=0\nfirst_step=12 restored_again=True" in stale.stdout
+    assert "epoch_before_loop=0 best=100.0\nfirst_step=12 restored_again=True" in stale.stdout
     assert "data.epoch was read before the restore (it was 0; the checkpoint's is 2)" \
         in stale.stderr
+    # The checkpoint of step 12 holds best = 50 - 11; the default set before it is not named.
+    assert "ctx.values['best'] was read before the restore (it was <not set>; the " \
+        "checkpoint's is 39.0)" in stale.stderr
+    assert "ctx.values['seen']" not in stale.stderr
     early = life(16, EARLY="1")
-    assert "restore()=14 epoch_before_loop=2\nfirst_step=14 restored_again=False" \
+    assert "restore()=14 epoch_before_loop=2 best=37.0\nfirst_step=14 restored_again=False" \
         in early.stdout
     assert "was read before the restore" not in early.stderr
