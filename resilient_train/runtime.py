@@ -11,6 +11,7 @@ exit code the platform understands (errors.py): transient 134, permanent 1.
 
 from __future__ import annotations
 
+import collections
 import functools
 import logging
 import os
@@ -115,6 +116,11 @@ class _Values(dict):  # type: ignore[type-arg]
     def get(self, key: Any, default: Any = None) -> Any:
         self._note(key, super().get(key, _ABSENT))
         return super().get(key, default)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # Saved as an OrderedDict (what a state_dict is), never as a class of ours:
+        # torch.load(weights_only=True) takes those, not a plain dict's reduction.
+        return collections.OrderedDict, (), None, None, iter(self.items())
 
     def stale_reads(self) -> list[tuple[str, str, str]]:
         """Stop noting; (``ctx.values[key]``, the value read, the value now) for each key

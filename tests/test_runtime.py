@@ -132,3 +132,5 @@ def test_state_read_before_the_loop_is_restored_by_ctx_restore_or_named_stale(
     assert "restore()=14 epoch_before_loop=2 best=37.0\nfirst_step=14 restored_again=False" \
         in early.stdout
     assert "was read before the restore" not in early.stderr
+    saved = torch.load(tmp_path / "ckpt" / "values.pt", weights_only=True)["values"]
+    assert saved == {"seen": 16, "best": 35.0}, saved
