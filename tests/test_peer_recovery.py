@@ -492,6 +492,6 @@ def test_a_rank_lost_after_changing_its_state_past_opt_step_is_named_with_the_fi
         got = torch.load(tmp_path / f"rank{r}.pt", weights_only=True)
         assert got["step"] is None and got["record"]["source"] != "peer", got["record"]
     assert ("no survivor holds rank 1's RNG and values of step 4: it changes them after "
-            "its optimizer step (it did in step 2)") in outs[0], outs[0]
-    assert "Set ctx.values and draw random numbers before opt.step()" in outs[0], outs[0]
+            "opt.step() (as in step 2) and was lost before its step's end; change them "
+            "before opt.step() to recover from memory") in outs[0], outs[0]
     assert "rank 1: step 2 changed ctx.values 'best' after opt.step()" in outs[1], outs[1]

@@ -112,13 +112,12 @@ def _no_copy(rank: int, step: int, reports: list[Report]) -> str:
     changed = [h.held_changed for h in reports
                if h.held_for == rank and h.held_changed is not None]
     if changed:
-        # Its early copies stopped counting (peers.py): only a step's end sends one.
-        return (f"no survivor holds rank {rank}'s RNG and values of step {step}: it "
-                f"changes them after its optimizer step (it did in step {min(changed)}), so "
-                f"only the copy sent at its step's end counts, and it was lost before "
-                f"sending that one. Set ctx.values and draw random numbers before "
-                f"opt.step() (an evaluation DataLoader's iterator draws one from torch's "
-                f"RNG) to recover from memory there too")
+        # Its early copies stopped counting (peers.py): only a step's end sends one. The
+        # first sentence fits the 200 characters of `status`'s line.
+        return (f"no survivor holds rank {rank}'s RNG and values of step {step}: it changes "
+                f"them after opt.step() (as in step {min(changed)}) and was lost before its "
+                f"step's end; change them before opt.step() to recover from memory. (An "
+                f"evaluation DataLoader's iterator draws a seed from torch's RNG.)")
     return (f"no survivor holds rank {rank}'s RNG and values of step {step} (the rank "
             f"and the next one in the peer ring, which holds their copy, were both lost, "
             f"or it died before sending them)")
