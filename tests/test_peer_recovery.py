@@ -26,6 +26,7 @@ from resilient_train.checkpoint.directory import (
     read_manifest,
 )
 from resilient_train.checkpoint.early import Early
+from resilient_train.checkpoint.peers import PeerMemory, PeerRing
 from resilient_train.checkpoint.recovery_plan import (
     NoPlan,
     Plan,
@@ -156,6 +157,25 @@ def test_shard_copies_count_only_after_a_hand_over_of_the_same_directory() -> No
 def _recovered(step: int) -> Recovered:
     return Recovered(step=step, shared={}, mine={}, mine_bytes=b"", from_rank=0, nbytes=1,
                      save_point=(None, 0.0), last_commit=None)
+
+
+def test_a_scalers_step_is_unwrapped_when_its_life_ends() -> None:
+    """Each life wraps a tracked GradScaler's step for the ring; a scaler built once,
+    outside the training function, must not carry one wrapper per life, nor lose a
+    wrapper of someone else's."""
+    scaler = torch.amp.GradScaler("cpu", enabled=False)
+    ring = PeerRing(0, 2, None, None, PeerMemory(), None)  # type: ignore[arg-type]
+    handle = ring.watch_scaler(scaler, dict)
+    assert "step" in vars(scaler)
+    handle.remove()
+    assert "step" not in vars(scaler) and scaler.step.__func__ is torch.amp.GradScaler.step
+
+    def theirs(*args: object) -> None: ...
+    scaler.step = theirs   # type: ignore[method-assign]
+    handle = ring.watch_scaler(scaler, dict)
+    assert scaler.step is not theirs
+    handle.remove()
+    assert scaler.step is theirs
 
 
 def test_an_early_restore_hands_its_result_or_its_failure_to_the_restore() -> None:
@@ -495,3 +515,20 @@ def test_a_rank_lost_after_changing_its_state_past_opt_step_is_named_with_the_fi
             "opt.step() (as in step 2) and was lost before its step's end; change them "
             "before opt.step() to recover from memory") in outs[0], outs[0]
     assert "rank 1: step 2 changed ctx.values 'best' after opt.step()" in outs[1], outs[1]
+
+
+def test_a_rank_lost_after_a_skipped_gradscaler_step_leaves_its_copy_with_its_peer(
+        tmp_path: Path) -> None:
+    """A GradScaler that skips a step (an overflow) never calls the optimizer's step, whose
+    pre-hook sends the rank's state round the ring: the tracked scaler's step() sends it
+    too. Rank 1, lost after its last scaler.step() and before that step's end, leaves its
+    copy of step 4 with rank 0, and both resume there from memory, its RNG and values
+    exact."""
+    early_restore_ranks(tmp_path, SKIP_LOST="1")
+    got = [torch.load(tmp_path / f"rank{r}.pt", weights_only=True) for r in range(2)]
+    for r in range(2):
+        assert got[r]["step"] == 4, got[r]["record"]
+        assert got[r]["record"]["source"] == "peer", got[r]["record"]
+        assert got[r]["values"] == {"seen": 4 * (r + 1)}
+        assert torch.equal(got[r]["draw"], got[r]["draw_life1"]), r
+        assert got[r]["opt_steps"] == [] and got[r]["scale"] == float("inf"), got[r]

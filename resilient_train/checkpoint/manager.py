@@ -415,6 +415,10 @@ class CheckpointManager:
                     self._hooks.append(self._ring.writes.watch(obj))
                 # The snapshot of a save may still be copying what this step overwrites.
                 self._hooks.append(obj.register_step_pre_hook(self._before_optimizer_step))
+            elif isinstance(obj, torch.amp.GradScaler) and id(obj) not in self._hooked \
+                    and self._ring is not None:
+                self._hooked.add(id(obj))
+                self._hooks.append(self._ring.watch_scaler(obj, self._rank_state))
 
     # --- when to save -----------------------------------------------------------------
 

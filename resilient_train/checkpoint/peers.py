@@ -160,19 +160,38 @@ class PeerRing:
         hook's handle (the manager removes it when it closes)."""
 
         def before_step(_opt: Any, _args: Any, _kwargs: Any) -> None:
-            step = self._done + 1
-            if self._sent_for != step:   # the first optimizer of the step sends
-                self._take_arrived()
-                # A life's first copy does not count yet: whether the step changes its
-                # state after the optimizer step is known at its end.
-                self._early_flags = _LATE if self._late or self._sent_for is None else 0
-                state = rank_state()
-                self._sent_for, self._sent = step, dumps_rank_state(state)
-                self._sent_print = _fingerprint(state["values"], state["rng"])
-                self.link.send(_EARLY, step, self._early_flags, self._sent)
-                self._keep(self.link.receive(_EARLY))
+            self._send_early(rank_state)
 
         return optimizer.register_step_pre_hook(before_step)
+
+    def watch_scaler(self, scaler: Any, rank_state: Callable[[], Mapping[str, Any]]) -> Any:
+        """The same exchange at ``scaler.step(optimizer)``: a GradScaler that skips a step
+        (an inf or NaN gradient, frequent while the scale is still being found) never calls
+        the optimizer's step, and without it that step's copy would go round only at the
+        step's end, without waiting. Wraps the instance's ``step``; returns a handle whose
+        ``remove()`` unwraps it."""
+        original = scaler.step
+        had_own = "step" in vars(scaler)
+
+        def step(*args: Any, **kwargs: Any) -> Any:
+            self._send_early(rank_state)
+            return original(*args, **kwargs)
+
+        scaler.step = step
+        return _Unwrap(scaler, step, original if had_own else None)
+
+    def _send_early(self, rank_state: Callable[[], Mapping[str, Any]]) -> None:
+        step = self._done + 1
+        if self._sent_for != step:   # the first optimizer (or scaler) of the step sends
+            self._take_arrived()
+            # A life's first copy does not count yet: whether the step changes its
+            # state after the optimizer step is known at its end.
+            self._early_flags = _LATE if self._late or self._sent_for is None else 0
+            state = rank_state()
+            self._sent_for, self._sent = step, dumps_rank_state(state)
+            self._sent_print = _fingerprint(state["values"], state["rng"])
+            self.link.send(_EARLY, step, self._early_flags, self._sent)
+            self._keep(self.link.receive(_EARLY))
 
     def boundary(self, step: int, rank_state: Callable[[], Mapping[str, Any]],
                  values: Mapping[str, Any]) -> None:
@@ -271,6 +290,23 @@ class PeerRing:
         self.memory.keep_own(step, dumps_rank_state(rank_state))
         self.writes.boundary()
         self._done = self._sent_for = step
+
+
+@dataclass
+class _Unwrap:
+    """Takes :meth:`PeerRing.watch_scaler`'s wrapper off its scaler again (a scaler built
+    once, outside the training function, is tracked again by every life)."""
+
+    scaler: Any
+    wrapper: Callable[..., Any]
+    own: Callable[..., Any] | None   # an instance attribute ``step`` it replaced, if any
+
+    def remove(self) -> None:
+        if vars(self.scaler).get("step") is self.wrapper:
+            if self.own is None:
+                del self.scaler.step
+            else:
+                self.scaler.step = self.own
 
 
 def _say_changed(rank: int, step: int, early: Mapping[str, Any],

@@ -11,7 +11,10 @@ weights, the optimizer's state, the restore record, and a draw from its RNG.
 ``FUSED_TORN=1``: the optimizer is fused (its step moves no version counter), and life 1
 ends in a fifth step that failed after its optimizer step: no rank holds a boundary.
 ``LATE_LOST=1``: rank 1 sets a value after its optimizer step in step 2 (as an evaluation
-does), and is lost after its last optimizer step, before that step's end."""
+does), and is lost after its last optimizer step, before that step's end.
+``SKIP_LOST=1``: a tracked GradScaler skips every step (its scale is infinite), so the
+optimizer never steps; rank 1 is lost after its last ``scaler.step()``, before the step's
+end."""
 import logging
 import os
 from dataclasses import asdict
@@ -45,7 +48,9 @@ def main() -> None:
     # Life 1.
     model, opt = build(0)
     mgr = manager()
-    mgr.track(model=model, optimizer=opt)
+    skipping = bool(os.environ.get("SKIP_LOST"))
+    scaler = torch.amp.GradScaler("cpu", init_scale=float("inf"), enabled=skipping)
+    mgr.track(model=model, optimizer=opt, **({"scaler": scaler} if skipping else {}))
     assert mgr.restore_latest() is None
     torch.manual_seed(50 + rank)   # each rank its own stream from here
     for step in range(STEPS):
@@ -53,11 +58,14 @@ def main() -> None:
         mgr.values["seen"] = (step + 1) * (rank + 1)
         loss = model(x).pow(2).mean()
         opt.zero_grad()
-        loss.backward()
+        scaler.scale(loss).backward()
         for p in model.parameters():   # what DDP's all-reduce would do
             dist.all_reduce(p.grad)
             p.grad /= 2
-        opt.step()
+        scaler.step(opt)               # opt.step(), unless it skips
+        scaler.update()
+        if skipping and rank == 1 and step + 1 == STEPS:
+            continue                   # lost before its step's end: no boundary
         late = rank == 1 and os.environ.get("LATE_LOST")
         if late and step == 1:
             mgr.values["best"] = step   # after opt.step(): its early copies stop counting
@@ -90,17 +98,20 @@ def main() -> None:
     mgr.start_restore()
     early = mgr._early
     arrived_first = None
-    if rank == 1 and not (os.environ.get("FUSED_TORN") or os.environ.get("LATE_LOST")):
+    if rank == 1 and not (os.environ.get("FUSED_TORN") or os.environ.get("LATE_LOST")
+                          or skipping):
         assert early is not None, "no transfer started"
         arrived_first = early.join(60)   # before anything below was built
     model2, opt2 = build(1 + rank)     # other initial weights: the restore must replace them
-    mgr.track(model=model2, optimizer=opt2)
+    scaler2 = torch.amp.GradScaler("cpu", init_scale=2.0, enabled=skipping)
+    mgr.track(model=model2, optimizer=opt2, **({"scaler": scaler2} if skipping else {}))
     step = mgr.restore_latest()
     record = asdict(mgr.last_restore)
     out = {"step": step, "record": record, "arrived_first": arrived_first,
            "weights_life1": weights, "weights": model2.state_dict(),
            "values": dict(mgr.values), "draw": torch.rand(3), "draw_life1": draw_after,
-           "opt_steps": [float(s["step"]) for s in opt2.state_dict()["state"].values()]}
+           "opt_steps": [float(s["step"]) for s in opt2.state_dict()["state"].values()],
+           "scale": scaler2.get_scale() if skipping else None}
     mgr.close()
     torch.save(out, os.path.join(os.environ["RESULT_DIR"], f"rank{rank}.pt"))
     dist.destroy_process_group()
