@@ -675,3 +675,23 @@ def test_a_generator_is_refused_at_track_saying_to_keep_it_per_rank(tmp_path: Pa
             mgr.track(gen=gen)
         assert "ctx.values['gen'] = gen.get_state()" in str(err.value)
         assert "gen" not in mgr._tracked
+
+
+def test_a_stateless_object_is_refused_at_track_not_at_the_first_save(
+        tmp_path: Path) -> None:
+    """A DataLoader tracked to resume its position (it has no state_dict) failed at the
+    first save, perhaps hours in, with a generic message: it is refused when tracked,
+    naming ResumableLoader. Any other value that would not load as weights only too; a
+    plain value still tracks."""
+    from resilient_train import CheckpointManager
+
+    loader = torch.utils.data.DataLoader(torch.arange(4.0), batch_size=2)
+    with CheckpointManager(tmp_path / "ckpt") as mgr:
+        with pytest.raises(TypeError, match=r"ctx.track\(data=...\) got a torch DataLoader") \
+                as err:
+            mgr.track(data=loader)
+        assert "rt.ResumableLoader(dataset, batch_size=..." in str(err.value)
+        with pytest.raises(UnsafeStateError, match=r"in ctx.track\(odd=...\) would make"):
+            mgr.track(odd=Plain())
+        mgr.track(counts={"seen": 3}, table=torch.zeros(2))
+        assert sorted(mgr._tracked) == ["counts", "table"]

@@ -89,6 +89,7 @@ from .state import (
     collect,
     has_dtensor,
     refuse_rank_local_state,
+    refuse_stateless,
     restore,
     restore_rng,
     tree_on_host,
@@ -403,6 +404,7 @@ class CheckpointManager:
         objects = {name: unwrap_model(obj) for name, obj in objects.items()}
         for name, obj in objects.items():
             refuse_rank_local_state(name, obj)
+            refuse_stateless(name, obj)
         self._tracked.update(objects)
         import torch
 

@@ -880,6 +880,23 @@ def refuse_rank_local_state(name: str, obj: Any) -> None:
             "whose state is saved sharded")
 
 
+def refuse_stateless(name: str, obj: Any) -> None:
+    """At ``track``, not at the first save (perhaps hours later): an object with no
+    ``state_dict`` is saved as a value, so it must be one that loads as weights only. A
+    ``DataLoader`` is the usual case, tracked to resume its position, which it cannot."""
+    if _has_state_dict(obj):
+        return
+    if isinstance(obj, torch.utils.data.DataLoader):
+        raise TypeError(
+            f"ctx.track({name}=...) got a torch DataLoader, which has no state_dict: its "
+            "position cannot be saved, and the first save would fail. Build it as "
+            "rt.ResumableLoader(dataset, batch_size=..., shuffle=..., num_workers=...) with "
+            "the DataLoader's arguments: its position (epoch, samples consumed) is saved and "
+            "restored mid-epoch, and each sample's randomness with it")
+    if not has_dtensor(obj):   # sharded state is saved by DCP (sharded.py), not pickled
+        check_weights_only(obj, where=f"ctx.track({name}=...)")
+
+
 def _rekeyed(name: str, module: torch.nn.Module, sd: Mapping[str, Any]) -> Mapping[str, Any]:
     """``sd`` under ``module``'s keys where the two differ only by a wrapper's prefix (a
     checkpoint of a DDP-wrapped or compiled model, restored into the bare one, or the other
