@@ -94,15 +94,34 @@ class MainOptions:
 
 
 class _Values(dict):  # type: ignore[type-arg]
-    """``ctx.values``: a dict that notes what the code before the restore read (``[]``,
-    ``get``), so that the restore can name a read it made stale (``best =
-    ctx.values.get("best")`` before the loop). ``setdefault`` and ``in`` are not noted:
-    they set defaults, which the restore may replace."""
+    """``ctx.values``: a dict that
 
-    def __init__(self) -> None:
+    - checks each value as it is set (about 2 us): one that a checkpoint could not load as
+      weights only (a numpy scalar, say) raises at the line that set it, not at the first
+      save, perhaps hours later;
+    - notes what the code before the restore read (``[]``, ``get``), so that the restore
+      can name a read it made stale (``best = ctx.values.get("best")`` before the loop).
+      ``setdefault`` and ``in`` are not noted: they set defaults, which the restore may
+      replace."""
+
+    def __init__(self, check: Callable[..., None]) -> None:
         super().__init__()
+        self._check = check   # state.check_weights_only (runtime imports no torch itself)
         self.early: dict[Any, tuple[bytes, str]] | None = {}   # key -> the value read,
         # pickled (tensors, where == is elementwise, compare too) and shown
+
+    def __setitem__(self, key: Any, value: Any) -> None:
+        self._check({key: value}, where="ctx.values")
+        super().__setitem__(key, value)
+
+    def setdefault(self, key: Any, default: Any = None) -> Any:
+        if key not in self:
+            self[key] = default
+        return super().__getitem__(key)
+
+    def update(self, *args: Any, **kwargs: Any) -> None:
+        for key, value in dict(*args, **kwargs).items():
+            self[key] = value
 
     def _note(self, key: Any, value: Any) -> None:
         if self.early is not None and key not in self.early:
@@ -156,7 +175,9 @@ class Context:
         self.options = options
         self.checkpoints = CheckpointManager(options.checkpoint_dir,
                                              options=options.checkpoint_options())
-        self.checkpoints.values = _Values()   # notes reads before the restore (restore())
+        from .checkpoint.state import check_weights_only
+
+        self.checkpoints.values = _Values(check_weights_only)   # see _Values
         self.step = 0                    # steps done (the restored step before the loop)
         self.restored_step: int | None = None
         self._loaders: dict[str, Any] = {}   # tracked ResumableLoaders, by name

@@ -134,3 +134,38 @@ def test_state_read_before_the_loop_is_restored_by_ctx_restore_or_named_stale(
     assert "was read before the restore" not in early.stderr
     saved = torch.load(tmp_path / "ckpt" / "values.pt", weights_only=True)["values"]
     assert saved == {"seen": 16, "best": 35.0}, saved
+
+
+_NUMPY_VALUE = """
+import os, sys
+import numpy as np
+import torch
+import resilient_train as rt
+
+@rt.main(options=rt.MainOptions(checkpoint_dir=sys.argv[1],
+                                checkpoint=rt.CheckpointOptions(save_every_steps=1000)))
+def train(ctx):
+    ctx.track(model=torch.nn.Linear(2, 1))
+    ctx.values.update(seen=0)
+    for step in ctx.steps(5):
+        ctx.values["seen"] = step + 1
+        print(f"step {step}", flush=True)
+        if step == 2:
+            ctx.values["acc"] = np.mean([0.5, 1.0])   # numpy.float64
+
+train()
+"""
+
+
+def test_a_value_no_checkpoint_could_load_raises_where_it_is_set(tmp_path: Path) -> None:
+    """A numpy scalar in ctx.values failed at the first save (with save_every_steps=1000,
+    step 1000): it raises at the assignment, naming the key and the fix, exit 1."""
+    script = tmp_path / "train.py"   # a file: the traceback then shows the line
+    script.write_text(_NUMPY_VALUE)
+    proc = subprocess.run([sys.executable, str(script), str(tmp_path / "ckpt")],
+                          text=True, capture_output=True, timeout=120, check=False,
+                          env=outside_env())
+    assert proc.returncode == 1, proc.stderr[-2000:]
+    assert proc.stdout.split() == ["step", "0", "step", "1", "step", "2"], proc.stdout
+    assert "ctx.values['acc']: numpy.float64 (numpy scalar: use x.item()" in proc.stderr
+    assert 'ctx.values["acc"] = np.mean' in proc.stderr   # the user's line, in the traceback
