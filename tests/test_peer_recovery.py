@@ -26,7 +26,6 @@ from resilient_train.checkpoint.directory import (
     read_manifest,
 )
 from resilient_train.checkpoint.early import Early
-from resilient_train.checkpoint.peers import PeerMemory, PeerRing
 from resilient_train.checkpoint.recovery_plan import (
     NoPlan,
     Plan,
@@ -157,25 +156,6 @@ def test_shard_copies_count_only_after_a_hand_over_of_the_same_directory() -> No
 def _recovered(step: int) -> Recovered:
     return Recovered(step=step, shared={}, mine={}, mine_bytes=b"", from_rank=0, nbytes=1,
                      save_point=(None, 0.0), last_commit=None)
-
-
-def test_a_scalers_step_is_unwrapped_when_its_life_ends() -> None:
-    """Each life wraps a tracked GradScaler's step for the ring; a scaler built once,
-    outside the training function, must not carry one wrapper per life, nor lose a
-    wrapper of someone else's."""
-    scaler = torch.amp.GradScaler("cpu", enabled=False)
-    ring = PeerRing(0, 2, None, None, PeerMemory(), None)  # type: ignore[arg-type]
-    handle = ring.watch_scaler(scaler, dict)
-    assert "step" in vars(scaler)
-    handle.remove()
-    assert "step" not in vars(scaler) and scaler.step.__func__ is torch.amp.GradScaler.step
-
-    def theirs(*args: object) -> None: ...
-    scaler.step = theirs   # type: ignore[method-assign]
-    handle = ring.watch_scaler(scaler, dict)
-    assert scaler.step is not theirs
-    handle.remove()
-    assert scaler.step is theirs
 
 
 def test_an_early_restore_hands_its_result_or_its_failure_to_the_restore() -> None:

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -88,3 +89,71 @@ def test_buffers_the_model_lacks_are_skipped_with_a_warning(
                                                  "1.running_var": torch.full((8,), 2.0)}})
     assert "9.running_mean" in caplog.text
     assert torch.equal(model[1].running_var, torch.full((8,), 2.0))
+
+
+def test_a_tracked_scalers_step_is_unwrapped_when_its_manager_closes(tmp_path: Path) -> None:
+    """Each life's manager wraps a tracked GradScaler's step (its ring copy, its count of
+    steps); a scaler built once, outside the training function, must not carry one
+    wrapper per life, nor lose a wrapper of the user's own."""
+    from resilient_train import CheckpointManager
+
+    scaler = torch.amp.GradScaler("cpu", enabled=False)
+    for _life in range(2):
+        with CheckpointManager(tmp_path / "ckpt") as mgr:
+            mgr.track(scaler=scaler)
+            assert "step" in vars(scaler)
+        assert "step" not in vars(scaler)
+        assert scaler.step.__func__ is torch.amp.GradScaler.step   # type: ignore[attr-defined]
+
+    def theirs(*args: object) -> None: ...
+    scaler.step = theirs   # type: ignore[method-assign]
+    with CheckpointManager(tmp_path / "ckpt") as mgr:
+        mgr.track(scaler=scaler)
+        assert scaler.step is not theirs
+    assert scaler.step is theirs
+
+
+def _accumulating_run(tmp_path: Path, *, accumulate: int, skip_all: bool = False) -> str:
+    """Six steps, saved every second one; the optimizer steps every ``accumulate``-th
+    (a GradScaler that skips every step when ``skip_all``). The manager's log."""
+    import resilient_train.checkpoint.manager as manager_module
+    from resilient_train import CheckpointManager, CheckpointOptions
+
+    manager_module._SAID_ACCUMULATION = False
+    torch.manual_seed(0)
+    model = nn.Linear(4, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = torch.amp.GradScaler("cpu", init_scale=float("inf") if skip_all else 1.0,
+                                  enabled=skip_all)
+    records: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda r: records.append(r.getMessage())  # type: ignore[method-assign]
+    logging.getLogger("resilient_train.checkpoint.manager").addHandler(handler)
+    try:
+        with CheckpointManager(tmp_path / "ckpt", options=CheckpointOptions(
+                save_every_steps=2, async_save=False)) as mgr:
+            mgr.track(model=model, optimizer=opt, scaler=scaler)
+            for step in range(6):
+                scaler.scale(model(torch.randn(8, 4)).pow(2).mean()).backward()
+                if (step + 1) % accumulate == 0:
+                    scaler.step(opt)
+                    scaler.update()
+                    opt.zero_grad()
+                mgr.maybe_save(step + 1)
+    finally:
+        logging.getLogger("resilient_train.checkpoint.manager").removeHandler(handler)
+    return "\n".join(records)
+
+
+def test_a_save_in_the_middle_of_gradients_accumulated_over_steps_is_named(
+        tmp_path: Path) -> None:
+    """Gradients accumulated over three ctx.steps steps: the saves at steps 2 and 4 hold
+    no partial sum, so a restore would not resume exactly. Said once, at the first; not
+    for one optimizer step per step, nor for a GradScaler skipping its steps."""
+    log = _accumulating_run(tmp_path / "acc", accumulate=3)
+    assert log.count("follows a step that ran no optimizer step") == 1, log
+    assert "the checkpoint of step 2 follows" in log
+    assert "make one ctx.steps step one optimizer step" in log
+    assert "no optimizer step" not in _accumulating_run(tmp_path / "one", accumulate=1)
+    assert "no optimizer step" not in _accumulating_run(tmp_path / "skip", accumulate=1,
+                                                         skip_all=True)

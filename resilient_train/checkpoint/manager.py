@@ -95,7 +95,7 @@ from .state import (
     tree_on_host,
     unwrap_model,
 )
-from .stepwrites import StepWrites, current_buffers, put_buffers
+from .stepwrites import StepWrites, before_each_call, current_buffers, put_buffers
 from .storage import RetryOptions, Storage, format_bytes, free_bytes, is_no_space
 from .writer import RankFailure, StepWriter, WriterThread
 
@@ -286,6 +286,9 @@ class _Sharded(Exception):
     """Raised inside a hand-over: the state holds DTensors (shard_copies.py restores it)."""
 
 
+_SAID_ACCUMULATION = False   # once per process: every life of a job would say it again
+
+
 class CheckpointManager:
     """Save, keep and restore training state; see the module docstring for its parts."""
 
@@ -347,6 +350,9 @@ class CheckpointManager:
         # this manager (and its process groups) alive as long as the optimizer.
         self._hooks: list[Any] = []
         self._hooked: set[int] = set()
+        # Optimizer (and GradScaler) steps called, and the count at the last boundary: a
+        # save after a step without one may cut gradients being accumulated in two.
+        self._steps_called = self._steps_at_boundary = 0
         self._read_bytes = 0   # checkpoint bytes this rank read from storage in a restore
         self._local: LocalTier | None = None
         if self.options.node_local is not None:
@@ -417,10 +423,9 @@ class CheckpointManager:
                     self._hooks.append(self._ring.writes.watch(obj))
                 # The snapshot of a save may still be copying what this step overwrites.
                 self._hooks.append(obj.register_step_pre_hook(self._before_optimizer_step))
-            elif isinstance(obj, torch.amp.GradScaler) and id(obj) not in self._hooked \
-                    and self._ring is not None:
+            elif isinstance(obj, torch.amp.GradScaler) and id(obj) not in self._hooked:
                 self._hooked.add(id(obj))
-                self._hooks.append(self._ring.watch_scaler(obj, self._rank_state))
+                self._hooks.append(before_each_call(obj, "step", self._before_scaler_step))
 
     # --- when to save -----------------------------------------------------------------
 
@@ -431,16 +436,40 @@ class CheckpointManager:
         # collective): its boundary first, so that this life's hand-over keeps its state.
         if self._ring is not None:
             self._ring.boundary(step, self._rank_state, self.values)
+        stepped, self._steps_at_boundary = \
+            self._steps_called != self._steps_at_boundary, self._steps_called
         if self._error is not None:
             self._raise_error()
         decision = self.scheduler.decide(step)
         if decision is Decision.SKIP:
             return False
+        if not stepped:
+            self._say_if_mid_accumulation(step)
         if decision is Decision.EMERGENCY:
             self._exit_after_emergency(step, self.emergency_save(step))
         else:
             self.save(step, persistent=self._persistent_due())
         return True
+
+    def _say_if_mid_accumulation(self, step: int) -> None:
+        """A save after a step that called no tracked optimizer's step, with gradients
+        held: most likely gradients accumulated over several steps, whose partial sum no
+        checkpoint holds. Said once per process."""
+        global _SAID_ACCUMULATION
+        import torch
+
+        optimizers = [o for o in self._tracked.values() if isinstance(o, torch.optim.Optimizer)]
+        if _SAID_ACCUMULATION or not any(
+                p.grad is not None for o in optimizers for g in o.param_groups
+                for p in g["params"]):
+            return
+        _SAID_ACCUMULATION = True
+        (log.warning if self.is_primary else log.debug)(   # every rank steps alike
+            "the checkpoint of step %d follows a step that ran no optimizer step, with "
+            "gradients held. If gradients are accumulated over several ctx.steps steps, a "
+            "restore loses their partial sum and the run does not resume exactly: make one "
+            "ctx.steps step one optimizer step, with the micro-batches looped inside it "
+            '(docs/checkpointing.md, "Exact data position")', step)
 
     # --- saving -----------------------------------------------------------------------
 
@@ -584,8 +613,16 @@ class CheckpointManager:
         return False
 
     def _before_optimizer_step(self, *_: Any) -> None:
+        self._steps_called += 1
         # A failed copy is the save's failure: the writer raises it, not the training step.
         self._snapshot.wait(errors=False)
+
+    def _before_scaler_step(self) -> None:
+        # A step the scaler skips (an inf gradient) calls no optimizer's step: it is one
+        # all the same, and its ring copy goes now, as the optimizer's pre-hook would send it.
+        self._steps_called += 1
+        if self._ring is not None:
+            self._ring.send_early(self._rank_state)
 
     def _deferrable(self) -> frozenset[int]:
         """Storage addresses of what only the tracked optimizers' steps write: their
@@ -645,7 +682,7 @@ class CheckpointManager:
         try:
             self.wait()
         finally:
-            for hook in self._hooks:
+            for hook in reversed(self._hooks):   # a wrapper puts back what it found
                 hook.remove()
             self._hooks.clear()
             if self._ring is not None:

@@ -160,27 +160,15 @@ class PeerRing:
         hook's handle (the manager removes it when it closes)."""
 
         def before_step(_opt: Any, _args: Any, _kwargs: Any) -> None:
-            self._send_early(rank_state)
+            self.send_early(rank_state)
 
         return optimizer.register_step_pre_hook(before_step)
 
-    def watch_scaler(self, scaler: Any, rank_state: Callable[[], Mapping[str, Any]]) -> Any:
-        """The same exchange at ``scaler.step(optimizer)``: a GradScaler that skips a step
-        (an inf or NaN gradient, frequent while the scale is still being found) never calls
-        the optimizer's step, and without it that step's copy would go round only at the
-        step's end, without waiting. Wraps the instance's ``step``; returns a handle whose
-        ``remove()`` unwraps it."""
-        original = scaler.step
-        had_own = "step" in vars(scaler)
-
-        def step(*args: Any, **kwargs: Any) -> Any:
-            self._send_early(rank_state)
-            return original(*args, **kwargs)
-
-        scaler.step = step
-        return _Unwrap(scaler, step, original if had_own else None)
-
-    def _send_early(self, rank_state: Callable[[], Mapping[str, Any]]) -> None:
+    def send_early(self, rank_state: Callable[[], Mapping[str, Any]]) -> None:
+        """The exchange of :meth:`watch_optimizer`, once per step: also called at a tracked
+        GradScaler's ``step()`` (manager.py), which a step skipped for an inf or NaN
+        gradient (frequent while the scale is being found) calls without the optimizer's.
+        Without it that step's copy would go round only at its end, without waiting."""
         step = self._done + 1
         if self._sent_for != step:   # the first optimizer (or scaler) of the step sends
             self._take_arrived()
@@ -290,23 +278,6 @@ class PeerRing:
         self.memory.keep_own(step, dumps_rank_state(rank_state))
         self.writes.boundary()
         self._done = self._sent_for = step
-
-
-@dataclass
-class _Unwrap:
-    """Takes :meth:`PeerRing.watch_scaler`'s wrapper off its scaler again (a scaler built
-    once, outside the training function, is tracked again by every life)."""
-
-    scaler: Any
-    wrapper: Callable[..., Any]
-    own: Callable[..., Any] | None   # an instance attribute ``step`` it replaced, if any
-
-    def remove(self) -> None:
-        if vars(self.scaler).get("step") is self.wrapper:
-            if self.own is None:
-                del self.scaler.step
-            else:
-                self.scaler.step = self.own
 
 
 def _say_changed(rank: int, step: int, early: Mapping[str, Any],

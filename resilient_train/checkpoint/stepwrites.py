@@ -30,7 +30,8 @@ Non-persistent buffers are no training state (no checkpoint holds them) and are 
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -167,3 +168,36 @@ def put_buffers(tracked: Mapping[str, Any], buffers: Mapping[str, Mapping[str, A
     if dst:
         with torch.no_grad():
             torch._foreach_copy_(dst, src)
+
+
+@dataclass
+class CallWatch:
+    """A handle for :func:`before_each_call`: ``remove()`` takes the wrapper off again."""
+
+    obj: Any
+    name: str
+    wrapper: Callable[..., Any]
+    own: Callable[..., Any] | None   # an instance attribute it replaced, if any
+
+    def remove(self) -> None:
+        if vars(self.obj).get(self.name) is self.wrapper:
+            if self.own is None:
+                delattr(self.obj, self.name)
+            else:
+                setattr(self.obj, self.name, self.own)
+
+
+def before_each_call(obj: Any, name: str, before: Callable[[], None]) -> CallWatch:
+    """Run ``before()`` first at each call of ``obj.name`` (an instance wrapper: what has
+    no hooks of its own, a GradScaler's ``step``). Remove the handles in the reverse order
+    of their making: each one puts back what it found."""
+    original = getattr(obj, name)
+    own = vars(obj).get(name)
+
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        before()
+        return original(*args, **kwargs)
+
+    setattr(obj, name, wrapper)
+    return CallWatch(obj, name, wrapper, own)
+
