@@ -111,7 +111,10 @@ class _Values(dict):  # type: ignore[type-arg]
         # pickled (tensors, where == is elementwise, compare too) and shown
 
     def __setitem__(self, key: Any, value: Any) -> None:
-        self._check({key: value}, where="ctx.values")
+        # The same object again (a list set back every step) was checked when first set;
+        # what changed inside it, the save checks.
+        if super().get(key, _ABSENT) is not value:
+            self._check({key: value}, where="ctx.values")
         super().__setitem__(key, value)
 
     def setdefault(self, key: Any, default: Any = None) -> Any:
