@@ -13,11 +13,13 @@ things make that restore possible without storage:
   after it) is *torn* and holds nothing. The forward's writes to buffers (batch norm's
   statistics) are put back from copies taken at the boundary (stepwrites.py).
 - **Each rank's own state has two holders.** The RNG streams, ``ctx.values`` and the
-  modules' buffers (stepwrites.py) differ per rank; at every step boundary each rank sends
-  its snapshot of them to the next rank in a ring that runs across machines
-  (ringlink.ring_order: with one process per machine, rank r's is held by r and r+1),
-  without waiting: the message is posted at one boundary and collected at the next. The
-  last :data:`KEEP` boundaries are kept, since survivors can be one step apart.
+  modules' buffers (stepwrites.py) differ per rank; every step, just before its first
+  optimizer (or GradScaler) step, each rank sends its snapshot of them to the next rank in
+  a ring that runs across machines (ringlink.ring_order: with one process per machine,
+  rank r's is held by r and r+1) and waits for the previous rank's
+  (:meth:`PeerRing.watch_optimizer` says why then). A step that changes them after that
+  sends them again at its end, without waiting. The last :data:`KEEP` boundaries are
+  kept, since survivors can be one step apart.
 
 At the restore, every rank reports what it holds (:class:`Report`), and every rank
 computes the same :func:`plan` from all reports: the newest step T that some rank holds
