@@ -180,7 +180,8 @@ class Context:
                                              options=options.checkpoint_options())
         from .checkpoint.state import check_weights_only
 
-        self.checkpoints.values = _Values(check_weights_only)   # see _Values
+        self._values = _Values(check_weights_only)   # see _Values
+        self.checkpoints.values = self._values
         self.step = 0                    # steps done (the restored step before the loop)
         self.restored_step: int | None = None
         self._loaders: dict[str, Any] = {}   # tracked ResumableLoaders, by name
@@ -241,9 +242,7 @@ class Context:
         stale = [(f"{name}.epoch", str(loader._epoch_read_early), str(loader.epoch))
                  for name, loader in self._loaders.items()
                  if loader._epoch_read_early not in (None, loader.epoch)]
-        values = self.checkpoints.values
-        if isinstance(values, _Values):
-            stale += values.stale_reads()
+        stale += self._values.stale_reads()
         for what, was, now in stale:
             log.warning(
                 "%s was read before the restore (it was %s; the checkpoint's is %s), so what "

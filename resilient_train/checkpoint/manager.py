@@ -417,15 +417,10 @@ class CheckpointManager:
         for obj in objects.values():
             if isinstance(obj, torch.optim.Optimizer) and id(obj) not in self._hooked:
                 self._hooked.add(id(obj))
-                if self._ring is not None:
-                    self._hooks.append(self._ring.watch_optimizer(obj, self._rank_state))
-                    # After the ring's hook: a step whose exchange failed has not begun.
-                    self._hooks.append(self._ring.writes.watch(obj))
-                # The snapshot of a save may still be copying what this step overwrites.
                 self._hooks.append(obj.register_step_pre_hook(self._before_optimizer_step))
             elif isinstance(obj, torch.amp.GradScaler) and id(obj) not in self._hooked:
                 self._hooked.add(id(obj))
-                self._hooks.append(before_each_call(obj, "step", self._before_scaler_step))
+                self._hooks.append(before_each_call(obj, "step", self._step_begins))
 
     # --- when to save -----------------------------------------------------------------
 
@@ -613,16 +608,20 @@ class CheckpointManager:
         return False
 
     def _before_optimizer_step(self, *_: Any) -> None:
-        self._steps_called += 1
-        # A failed copy is the save's failure: the writer raises it, not the training step.
+        self._step_begins()
+        if self._ring is not None:   # after the exchange: one that failed began no step
+            self._ring.writes.began()
+        # The snapshot of a save may still be copying what this step overwrites. A failed
+        # copy is the save's failure: the writer raises it, not the training step.
         self._snapshot.wait(errors=False)
 
-    def _before_scaler_step(self) -> None:
-        # A step the scaler skips (an inf gradient) calls no optimizer's step: it is one
-        # all the same, and its ring copy goes now, as the optimizer's pre-hook would send it.
-        self._steps_called += 1
+    def _step_begins(self) -> None:
+        """A step of the tracked optimizers or GradScalers begins (a step the scaler
+        skips, for an inf gradient, calls no optimizer's step but is one all the same):
+        the ring's exchange, once per step, then the count."""
         if self._ring is not None:
             self._ring.send_early(self._rank_state)
+        self._steps_called += 1
 
     def _deferrable(self) -> frozenset[int]:
         """Storage addresses of what only the tracked optimizers' steps write: their

@@ -17,7 +17,7 @@ things make that restore possible without storage:
   optimizer (or GradScaler) step, each rank sends its snapshot of them to the next rank in
   a ring that runs across machines (ringlink.ring_order: with one process per machine,
   rank r's is held by r and r+1) and waits for the previous rank's
-  (:meth:`PeerRing.watch_optimizer` says why then). A step that changes them after that
+  (:meth:`PeerRing.send_early` says why then). A step that changes them after that
   sends them again at its end, without waiting. The last :data:`KEEP` boundaries are
   kept, since survivors can be one step apart.
 
@@ -146,10 +146,11 @@ class PeerRing:
 
     # --- every step ---------------------------------------------------------------------
 
-    def watch_optimizer(self, optimizer: Any, rank_state: Callable[[], Mapping[str, Any]]
-                        ) -> Any:
-        """Send this rank's state round the ring just before ``optimizer`` steps, and wait
-        for the previous rank's.
+    def send_early(self, rank_state: Callable[[], Mapping[str, Any]]) -> None:
+        """Send this rank's state round the ring and wait for the previous rank's: called
+        by the manager just before the step's first optimizer (or GradScaler) step, once
+        per step. The scaler too: a step skipped for an inf or NaN gradient (frequent while
+        the scale is being found) calls it without the optimizer's.
 
         Before, not after: a rank that dies between the gradient all-reduce and the end of
         its step has then already sent the state its step ends in (an optimizer step draws
@@ -158,19 +159,7 @@ class PeerRing:
         step, a rank lost in that window would take its state with it while the others
         moved on, leaving no step that all could restore. A step that changes the RNGs or
         ``values`` after the optimizer step sends its final state again at its end (see
-        :meth:`boundary`), and from then on its early copies do not count. Returns the
-        hook's handle (the manager removes it when it closes)."""
-
-        def before_step(_opt: Any, _args: Any, _kwargs: Any) -> None:
-            self.send_early(rank_state)
-
-        return optimizer.register_step_pre_hook(before_step)
-
-    def send_early(self, rank_state: Callable[[], Mapping[str, Any]]) -> None:
-        """The exchange of :meth:`watch_optimizer`, once per step: also called at a tracked
-        GradScaler's ``step()`` (manager.py), which a step skipped for an inf or NaN
-        gradient (frequent while the scale is being found) calls without the optimizer's.
-        Without it that step's copy would go round only at its end, without waiting."""
+        :meth:`boundary`), and from then on its early copies do not count."""
         step = self._done + 1
         if self._sent_for != step:   # the first optimizer (or scaler) of the step sends
             self._take_arrived()
@@ -186,7 +175,7 @@ class PeerRing:
     def boundary(self, step: int, rank_state: Callable[[], Mapping[str, Any]],
                  values: Mapping[str, Any]) -> None:
         """Step ``step`` is done: keep this rank's state; send it to the next rank (without
-        waiting) when its early copy does not count (see :meth:`watch_optimizer`).
+        waiting) when its early copy does not count (see :meth:`send_early`).
         ``values`` alone (with the RNGs) tells whether it changed since the early copy,
         which is cheaper than capturing it all again."""
         self._take_arrived()
@@ -286,7 +275,7 @@ def _say_changed(rank: int, step: int, early: Mapping[str, Any],
                  now: Mapping[str, Any]) -> None:
     """Say, once, that step ``step`` changed this rank's RNG or values after its optimizer
     step, and what: from then on its early copies do not count (see
-    :meth:`PeerRing.watch_optimizer`), so a loss of this rank between its optimizer step and
+    :meth:`PeerRing.send_early`), so a loss of this rank between its optimizer step and
     its step's end goes back to the last checkpoint. Most scripts do it by accident: an
     evaluation after ``opt.step()`` stores its metric, and its DataLoader's iterator draws a
     seed from torch's RNG."""

@@ -46,15 +46,13 @@ class StepWrites:
     def __init__(self, tracked: Mapping[str, Any]) -> None:
         self._tracked = tracked   # read at each call: a module tracked later counts too
         self._params: int | None = None   # the parameters' version sum at the boundary
-        self._stepped = False   # a watched optimizer's step began since the boundary
+        self._stepped = False   # a tracked optimizer's step began since the boundary
         # id(buffer) -> (buffer, its value at the boundary)
         self._copies: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
-    def watch(self, optimizer: torch.optim.Optimizer) -> Any:
-        """Note each step of ``optimizer`` (its hook's handle, for the caller to remove)."""
-        def began(*_: Any) -> None:
-            self._stepped = True
-        return optimizer.register_step_pre_hook(began)
+    def began(self) -> None:
+        """A tracked optimizer's step begins (from its step pre-hook: manager.py)."""
+        self._stepped = True
 
     def boundary(self) -> None:
         """A step ended (or a restore loaded one): keep its buffers' values."""
