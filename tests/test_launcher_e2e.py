@@ -241,6 +241,9 @@ def test_environment_of_a_three_replica_job(e2e: E2E) -> None:
             assert Path(env[var]).resolve() == (job_dir / "output" / sub).resolve()
             assert env[var].endswith(f"/{sub}/")
             assert os.path.isabs(env[var])  # a worker that changes directory still finds it
+            # A gs:// prefix exists for every write: a script that saves to AIP_MODEL_DIR
+            # without creating it works on the platform, so here too.
+            assert Path(env[var]).is_dir(), var
         assert env["TORCHELASTIC_RESTART_COUNT"] == env["RESILIENT_TRAIN_RESTART_COUNT"] == "0"
         assert env["E2E_MARKER"] == e2e.marker  # the user's environment passes through
         # Three replicas share this machine's cores: each gets its share of threads.
@@ -834,6 +837,11 @@ def _bad(e2e: E2E, tmp: Path, case: str) -> tuple[list[str], str]:
         return (["--job-dir", str(tmp / "plain-file")],
                 (f"--job-dir {tmp}/plain-file is a file, not a directory; pass the path of a "
                  f"directory (it is created if missing)"))
+    if case == "output-dir-under-file":
+        (tmp / "plain-file").write_text("")
+        return (["--job-dir", job, "--output-dir", str(tmp / "plain-file" / "out")],
+                (f"--output-dir {tmp}/plain-file/out: its parent {tmp}/plain-file is a file, "
+                 "not a directory; pass the path of a directory (it is created if missing)"))
     if case == "job-dir-taken":
         (tmp / "taken").mkdir()
         (tmp / "taken" / "job.json").write_text("{}")
@@ -871,7 +879,7 @@ def _bad(e2e: E2E, tmp: Path, case: str) -> tuple[list[str], str]:
 
 @pytest.mark.parametrize("case", [
     "chaos-kind", "chaos-target", "chaos-rank", "job-dir-under-file", "job-dir-is-a-file",
-    "job-dir-taken",
+    "output-dir-under-file", "job-dir-taken",
     "policy-action", "policy-missing", "workers-0", "pool-without-primary", "workers-and-pool",
     "quota-dir-under-file", "negative-gpus", "memory-0", "max-wait-standard",
     "name-with-slash"])

@@ -65,7 +65,14 @@ from .record import (
 )
 from .resources import detect_gpus
 from .scalars import JobScalars, TensorBoardMode, TensorBoardUnavailable, open_scalars
-from .workerenv import JobEnv, Replica, replicas_for, tensorboard_log_dir, worker_env
+from .workerenv import (
+    JobEnv,
+    Replica,
+    create_output_dirs,
+    replicas_for,
+    tensorboard_log_dir,
+    worker_env,
+)
 
 if TYPE_CHECKING:
     from .export import PlatformJob
@@ -226,17 +233,23 @@ class Launcher:
 
     # --- set-up -----------------------------------------------------------------------
 
-    def _prepare_job_dir(self) -> None:
+    @staticmethod
+    def _refuse_non_directory(option: str, target: Path) -> None:
         # mkdir would say only "File exists" (or "Not a directory" for a parent).
-        for path in (self.job_dir, *self.job_dir.parents):
+        for path in (target, *target.parents):
             if path.is_dir():
                 break
             if path.exists() or path.is_symlink():
                 what = "a file, not a directory" if path.is_file() else "not a directory"
-                subject = "" if path == self.job_dir else f": its parent {path}"
+                subject = "" if path == target else f": its parent {path}"
                 raise LaunchError(
-                    f"--job-dir {self.job_dir}{subject} is {what}; pass the path of a "
+                    f"{option} {target}{subject} is {what}; pass the path of a "
                     "directory (it is created if missing)")
+
+    def _prepare_job_dir(self) -> None:
+        self._refuse_non_directory("--job-dir", self.job_dir)
+        if "://" not in self.env.output_base:   # created below, after the job directory
+            self._refuse_non_directory("--output-dir", Path(self.env.output_base))
         try:
             self.job_dir.mkdir(parents=True, exist_ok=True)
             probe = self.job_dir / ".write-test"
@@ -250,6 +263,12 @@ class Launcher:
             raise LaunchError(
                 f"{self.job_dir} already holds a job ({JOB_FILE}); pass a new --job-dir "
                 "or --name so that the earlier record is not overwritten")
+        try:
+            create_output_dirs(self.env.output_base)
+        except OSError as exc:
+            raise LaunchError(
+                f"cannot create the output directories under {self.env.output_base}: "
+                f"{exc.strerror or exc}; pass --output-dir with a writable path") from None
 
     # --- output -----------------------------------------------------------------------
 

@@ -86,6 +86,17 @@ def output_dirs(output_base: str) -> dict[str, str]:
     }
 
 
+def create_output_dirs(output_base: str) -> None:
+    """Create the AIP_* directories of a local output base. On the platform they are
+    ``gs://`` prefixes, which exist for every write: a script that saves its model to
+    ``AIP_MODEL_DIR`` without creating it works there, and so it must here. Raises
+    OSError."""
+    if "://" in output_base:
+        return
+    for path in output_dirs(output_base).values():
+        os.makedirs(path, exist_ok=True)
+
+
 def fuse_path_note(output: str | None) -> str | None:
     """A line for an output directory under ``/gcs/`` where nothing is mounted: on the
     platform ``/gcs/BUCKET`` is the bucket (Cloud Storage FUSE), here a plain directory."""
