@@ -77,7 +77,7 @@ def test_survivors_a_step_apart_agree_on_the_older_step_that_everyone_can_restor
 def test_no_plan_when_a_rank_and_its_holder_are_both_lost():
     got = plan([report(0, 40, (39, 40), (39, 40)), report(1), report(2)])
     assert isinstance(got, NoPlan) and got.survivors
-    assert "rank 1's RNG and values of step 40" in got.reason
+    assert "rank 1's RNG, values and buffers of step 40" in got.reason
 
 
 def test_the_ring_puts_each_ranks_copy_on_another_machine() -> None:
@@ -377,7 +377,7 @@ def test_a_rank_killed_in_the_middle_of_a_peer_transfer_leaves_nothing_torn(
     assert any(e["from_rank"] is not None and "workerpool1-0.restart-2" in e["life"]
                for e in peers_[0]), peers_[0]     # the second new process got it
     assert len(stored) == 1 and stored[0][0]["step"] == 50, events
-    assert all("RNG and values of step" in e["reason"] for e in stored[0]), stored
+    assert all("RNG, values and buffers of step" in e["reason"] for e in stored[0]), stored
     assert_same_end(clean, faulted, ranks=3)
 
 
@@ -491,10 +491,27 @@ def test_a_rank_lost_after_changing_its_state_past_opt_step_is_named_with_the_fi
     for r in range(2):
         got = torch.load(tmp_path / f"rank{r}.pt", weights_only=True)
         assert got["step"] is None and got["record"]["source"] != "peer", got["record"]
-    assert ("no survivor holds rank 1's RNG and values of step 4: it changes them after "
-            "opt.step() (as in step 2) and was lost before its step's end; change them "
-            "before opt.step() to recover from memory") in outs[0], outs[0]
+    assert ("no survivor has rank 1's RNG, values and buffers of step 4: it changes them "
+            "after opt.step() (as in step 2) and died before its step's end; change them "
+            "before it to recover from memory") in outs[0], outs[0]
     assert "rank 1: step 2 changed ctx.values 'best' after opt.step()" in outs[1], outs[1]
+
+
+def test_an_ema_updated_after_opt_step_comes_back_with_its_update_count(
+        tmp_path: Path) -> None:
+    """An SWA/EMA model's ``update_parameters`` runs after ``opt.step()`` and writes the
+    buffer ``n_averaged``, which the SWA average divides by. The copy of each rank's own
+    state (its buffers among them) taken before the optimizer step must not stand for the
+    step's end: restored from memory, the count is every step's, the average exact, and
+    the primary names the buffer once (without the check, the count came back one short)."""
+    outs = early_restore_ranks(tmp_path, EMA="1")
+    for r in range(2):
+        got = torch.load(tmp_path / f"rank{r}.pt", weights_only=True)
+        assert got["step"] == 4 and got["record"]["source"] == "peer", got["record"]
+        assert int(got["ema"]["n_averaged"]) == 4
+        for key, value in got["ema_life1"].items():
+            assert torch.equal(got["ema"][key], value), key
+    assert "rank 0: step 1 changed the buffer ema.n_averaged after opt.step()" in outs[0]
 
 
 def test_a_rank_lost_after_a_skipped_gradscaler_step_leaves_its_copy_with_its_peer(

@@ -45,7 +45,7 @@ from typing import Any
 from .recovery_plan import Plan, Recovered, Report, carry_out, dumps_rank_state, loads_rank_state
 from .ringlink import Frame, RingLink
 from .state import rng_fingerprint
-from .stepwrites import StepWrites
+from .stepwrites import StepWrites, buffers_print
 
 log = logging.getLogger(__name__)
 
@@ -141,7 +141,7 @@ class PeerRing:
         self._sent: bytes = b""             # ... and what it was
         self._sent_print: Any = None        # ... and its fingerprint
         self._early_flags = 0               # ... and its flags
-        self._late = False   # a step changed RNG or values after its optimizer step
+        self._late = False   # a step changed its state after its optimizer step
         self._done = 0                      # steps finished (the last boundary)
 
     # --- every step ---------------------------------------------------------------------
@@ -168,7 +168,8 @@ class PeerRing:
             self._early_flags = _LATE if self._late or self._sent_for is None else 0
             state = rank_state()
             self._sent_for, self._sent = step, dumps_rank_state(state)
-            self._sent_print = _fingerprint(state["values"], state["rng"])
+            self._sent_print = _fingerprint(state["values"], _listed(state.get("buffers")),
+                                            state["rng"])
             self.link.send(_EARLY, step, self._early_flags, self._sent)
             self._keep(self.link.receive(_EARLY))
 
@@ -176,13 +177,13 @@ class PeerRing:
                  values: Mapping[str, Any]) -> None:
         """Step ``step`` is done: keep this rank's state; send it to the next rank (without
         waiting) when its early copy does not count (see :meth:`send_early`).
-        ``values`` alone (with the RNGs) tells whether it changed since the early copy,
-        which is cheaper than capturing it all again."""
+        ``values``, the RNGs and the buffers' bits tell whether it changed since the early
+        copy, which is cheaper than capturing it all again."""
         self._take_arrived()
         self._done = step
-        self.writes.boundary()
+        buffers = self.writes.boundary()
         early = self._sent_for == step
-        same = early and _fingerprint(values) == self._sent_print
+        same = early and _fingerprint(values, buffers) == self._sent_print
         if same:
             payload = self._sent
         else:
@@ -273,8 +274,8 @@ class PeerRing:
 
 def _say_changed(rank: int, step: int, early: Mapping[str, Any],
                  now: Mapping[str, Any]) -> None:
-    """Say, once, that step ``step`` changed this rank's RNG or values after its optimizer
-    step, and what: from then on its early copies do not count (see
+    """Say, once, that step ``step`` changed this rank's RNG, values or buffers after its
+    optimizer step, and what: from then on its early copies do not count (see
     :meth:`PeerRing.send_early`), so a loss of this rank between its optimizer step and
     its step's end goes back to the last checkpoint. Most scripts do it by accident: an
     evaluation after ``opt.step()`` stores its metric, and its DataLoader's iterator draws a
@@ -283,6 +284,12 @@ def _say_changed(rank: int, step: int, early: Mapping[str, Any],
     keys = sorted((k for k in was.keys() | is_.keys()
                    if _pickled(was.get(k, _NONE)) != _pickled(is_.get(k, _NONE))), key=str)
     what = [f"ctx.values {', '.join(repr(k) for k in keys)}"] if keys else []
+    was_b, is_b = early.get("buffers") or {}, now.get("buffers") or {}
+    bufs = [f"{name}.{key}" for name in sorted(was_b.keys() | is_b.keys())
+            for key in sorted(was_b.get(name, {}).keys() | is_b.get(name, {}).keys())
+            if _buffer_bits(was_b, name, key) != _buffer_bits(is_b, name, key)]
+    what += [f"the buffer{'s' if len(bufs) > 1 else ''} {', '.join(bufs[:3])}"
+             f"{' ...' if len(bufs) > 3 else ''}"] if bufs else []
     rngs = rng_fingerprint(early["rng"]), rng_fingerprint(now["rng"])
     names = ("torch's RNG", "Python's random", "CUDA's RNG", "NumPy's random")
     what += [n for n, a, b in zip(names, *rngs) if a != b]
@@ -292,19 +299,34 @@ def _say_changed(rank: int, step: int, early: Mapping[str, Any],
         "copy of a step only once the step has ended, so losing the rank between its "
         "optimizer step and its step's end sends the job back to its last checkpoint. "
         "Set ctx.values and draw random numbers before opt.step() (an evaluation "
-        "DataLoader's iterator draws one from torch's RNG) to recover from memory there too",
+        "DataLoader's iterator draws one from torch's RNG) to recover from memory there too "
+        "(an EMA's or SWA model's update, which follows opt.step() by nature, has that cost)",
         rank, step, " and ".join(what) or "its state")
 
 
 _NONE = "<not set>"
 
 
+def _buffer_bits(buffers: Mapping[str, Mapping[str, Any]], name: str, key: str) -> Any:
+    buf = buffers.get(name, {}).get(key)
+    return None if buf is None else buffers_print([(name, key, buf)])
+
+
 def _pickled(value: Any) -> bytes:   # values may hold tensors, where == is elementwise
     return pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL)
 
 
-def _fingerprint(values: Mapping[str, Any], rng: Mapping[str, Any] | None = None
-                 ) -> tuple[Any, ...]:
-    """Equal for two moments exactly when the RNGs (``rng``: as captured; None: now) and
-    ``values`` did not change between them."""
-    return rng_fingerprint(rng), pickle.dumps(dict(values), protocol=pickle.HIGHEST_PROTOCOL)
+def _fingerprint(values: Mapping[str, Any], buffers: list[tuple[str, str, Any]],
+                 rng: Mapping[str, Any] | None = None) -> tuple[Any, ...]:
+    """Equal for two moments exactly when the RNGs (``rng``: as captured; None: now),
+    ``values`` and the modules' buffers (an EMA's ``n_averaged``, written after the
+    optimizer step) did not change between them."""
+    return (rng_fingerprint(rng), pickle.dumps(dict(values), protocol=pickle.HIGHEST_PROTOCOL),
+            buffers_print(buffers))
+
+
+def _listed(buffers: Mapping[str, Mapping[str, Any]] | None) -> list[tuple[str, str, Any]]:
+    """A rank state's buffers (stepwrites.current_buffers) as persistent_buffers lists
+    them."""
+    return [(name, key, buf) for name, held in (buffers or {}).items()
+            for key, buf in held.items()]

@@ -114,12 +114,13 @@ def _no_copy(rank: int, step: int, reports: list[Report]) -> str:
     if changed:
         # Its early copies stopped counting (peers.py): only a step's end sends one. The
         # first sentence fits the 200 characters of `status`'s line.
-        return (f"no survivor holds rank {rank}'s RNG and values of step {step}: it changes "
-                f"them after opt.step() (as in step {min(changed)}) and was lost before its "
-                f"step's end; change them before opt.step() to recover from memory. (An "
-                f"evaluation DataLoader's iterator draws a seed from torch's RNG.)")
-    return (f"no survivor holds rank {rank}'s RNG and values of step {step} (the rank "
-            f"and the next one in the peer ring, which holds their copy, were both lost, "
+        return (f"no survivor has rank {rank}'s RNG, values and buffers of step {step}: "
+                f"it changes them after opt.step() (as in step {min(changed)}) and died "
+                f"before its step's end; change them before it to recover from memory. (An "
+                f"evaluation DataLoader's iterator draws a seed from torch's RNG; an EMA's "
+                f"update follows opt.step() by nature.)")
+    return (f"no survivor has rank {rank}'s RNG, values and buffers of step {step} (the "
+            f"rank and the next one in the peer ring, which holds their copy, were both lost, "
             f"or it died before sending them)")
 
 

@@ -30,7 +30,7 @@ Non-persistent buffers are no training state (no checkpoint holds them) and are 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -54,8 +54,9 @@ class StepWrites:
         """A tracked optimizer's step begins (from its step pre-hook: manager.py)."""
         self._stepped = True
 
-    def boundary(self) -> None:
-        """A step ended (or a restore loaded one): keep its buffers' values."""
+    def boundary(self) -> list[tuple[str, str, torch.Tensor]]:
+        """A step ended (or a restore loaded one): keep its buffers' values. Returns the
+        persistent buffers, as :func:`persistent_buffers` lists them."""
         self._params, buffers = self._walk()
         self._stepped = False
         copies: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
@@ -73,6 +74,7 @@ class StepWrites:
             with torch.no_grad():
                 torch._foreach_copy_(dst, src)
         self._copies = copies
+        return buffers
 
     def undo(self) -> str:
         """Put the buffers back as they were at the last boundary. '' when the tracked
@@ -142,6 +144,18 @@ def current_buffers(tracked: Mapping[str, Any]) -> dict[str, dict[str, torch.Ten
     for name, key, buf in persistent_buffers(tracked):
         out.setdefault(name, {})[key] = buf
     return out
+
+
+def buffers_print(buffers: Iterable[tuple[str, str, torch.Tensor]]) -> tuple[Any, ...]:
+    """Something that compares equal exactly when the buffers hold the same bits (NaN
+    included): their names, kinds and bytes, one copy per device."""
+    layout: list[tuple[str, str, torch.dtype, tuple[int, ...]]] = []
+    flat: dict[torch.device, list[torch.Tensor]] = {}
+    for name, key, buf in buffers:
+        layout.append((name, key, buf.dtype, tuple(buf.shape)))
+        flat.setdefault(buf.device, []).append(buf.detach().reshape(-1).view(torch.uint8))
+    data = tuple(bytes(torch.cat(parts).cpu().numpy()) for parts in flat.values())
+    return tuple(layout), data
 
 
 def put_buffers(tracked: Mapping[str, Any], buffers: Mapping[str, Mapping[str, Any]]) -> None:

@@ -14,7 +14,9 @@ ends in a fifth step that failed after its optimizer step: no rank holds a bound
 does), and is lost after its last optimizer step, before that step's end.
 ``SKIP_LOST=1``: a tracked GradScaler skips every step (its scale is infinite), so the
 optimizer never steps; rank 1 is lost after its last ``scaler.step()``, before the step's
-end."""
+end.
+``EMA=1``: an SWA average of the model (``AveragedModel``, tracked) is updated after each
+optimizer step, which writes its buffer ``n_averaged``; nobody is lost."""
 import logging
 import os
 from dataclasses import asdict
@@ -22,6 +24,7 @@ from dataclasses import asdict
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.optim.swa_utils import AveragedModel
 
 from resilient_train.checkpoint.manager import CheckpointManager, CheckpointOptions
 from resilient_train.checkpoint.peers import PeerMemory
@@ -51,6 +54,9 @@ def main() -> None:
     skipping = bool(os.environ.get("SKIP_LOST"))
     scaler = torch.amp.GradScaler("cpu", init_scale=float("inf"), enabled=skipping)
     mgr.track(model=model, optimizer=opt, **({"scaler": scaler} if skipping else {}))
+    ema = AveragedModel(model) if os.environ.get("EMA") else None
+    if ema is not None:
+        mgr.track(ema=ema)
     assert mgr.restore_latest() is None
     torch.manual_seed(50 + rank)   # each rank its own stream from here
     for step in range(STEPS):
@@ -64,6 +70,8 @@ def main() -> None:
             p.grad /= 2
         scaler.step(opt)               # opt.step(), unless it skips
         scaler.update()
+        if ema is not None:
+            ema.update_parameters(model)   # after opt.step(), as every EMA is
         if skipping and rank == 1 and step + 1 == STEPS:
             continue                   # lost before its step's end: no boundary
         late = rank == 1 and os.environ.get("LATE_LOST")
@@ -90,6 +98,7 @@ def main() -> None:
     mgr.hand_over(STEPS)
     mgr.close()
     weights = {k: v.clone() for k, v in model.state_dict().items()}
+    ema_life1 = None if ema is None else {k: v.clone() for k, v in ema.state_dict().items()}
     draw_after = torch.rand(3)     # what the RNG gives next at the boundary: a restore
     # rewinds each rank's RNG to it.
     # Life 2: rank 1 is a new process as far as peer recovery knows.
@@ -105,13 +114,17 @@ def main() -> None:
     model2, opt2 = build(1 + rank)     # other initial weights: the restore must replace them
     scaler2 = torch.amp.GradScaler("cpu", init_scale=2.0, enabled=skipping)
     mgr.track(model=model2, optimizer=opt2, **({"scaler": scaler2} if skipping else {}))
+    ema2 = AveragedModel(model2) if ema is not None else None
+    if ema2 is not None:
+        mgr.track(ema=ema2)
     step = mgr.restore_latest()
     record = asdict(mgr.last_restore)
     out = {"step": step, "record": record, "arrived_first": arrived_first,
            "weights_life1": weights, "weights": model2.state_dict(),
            "values": dict(mgr.values), "draw": torch.rand(3), "draw_life1": draw_after,
            "opt_steps": [float(s["step"]) for s in opt2.state_dict()["state"].values()],
-           "scale": scaler2.get_scale() if skipping else None}
+           "scale": scaler2.get_scale() if skipping else None,
+           "ema_life1": ema_life1, "ema": None if ema2 is None else ema2.state_dict()}
     mgr.close()
     torch.save(out, os.path.join(os.environ["RESULT_DIR"], f"rank{rank}.pt"))
     dist.destroy_process_group()
