@@ -271,7 +271,10 @@ class ResumableLoader:
     Restore (``load_state_dict``) before drawing the first batch: an iterator that was live
     when the state was loaded raises on its next batch. ``@rt.main``'s ``ctx.steps()``
     restores on its first iteration, and ``forever()`` starts its iterator lazily, at the
-    first ``next()``, so the usual loop is in the right order.
+    first ``next()``, so the usual loop is in the right order; a loop that draws before
+    ``ctx.steps`` begins calls ``ctx.restore()`` first. Under ``@rt.main`` the state is
+    that of the finished steps: batches drawn after a step's optimizer step are the next
+    step's, whichever order the loop draws in.
     """
 
     # shuffle= is a parameter of its own here, so it never reaches the DataLoader.
@@ -320,12 +323,15 @@ class ResumableLoader:
             cast("Dataset[Any]", dataset), batch_size=batch_size, sampler=sampler,
             drop_last=drop_last, **dataloader_kwargs)
         self._restores = 0  # bumped by load_state_dict: a live iterator notices and stops
-        # Under @rt.main: the Context (its .step counts finished steps), and the position at
-        # the start of the step in flight, taken at its first fetch: the position to save if
-        # the step is cut short (a SIGTERM to the process group), at no cost per step.
+        # Under @rt.main: the Context, and the batches handed out for the step in flight: the
+        # position before the first of them (None: none yet) and the count of optimizer
+        # steps begun when it was handed out. A batch drawn after a step's optimizer step
+        # is the next step's, even when the loop draws it before ctx.steps ends the step
+        # (`for x, y in data: step = next(steps)`, or a prefetch at the end of the body):
+        # the step's checkpoint leaves it out, and so does a life's hand-over.
         self._steps: Any = None
-        self._boundary_step: int | None = None
-        self._boundary = (0, 0)   # (epoch, consumed)
+        self._span: tuple[int, int] | None = None   # (epoch, consumed)
+        self._span_opt = 0
         self._epoch_read_early: int | None = None   # .epoch as read before the restore
 
     @property
@@ -359,8 +365,7 @@ class ResumableLoader:
         batches, watch = self._start()
         steps = self._steps
         while True:
-            if steps is not None and steps.step != self._boundary_step:
-                self._boundary_step, self._boundary = steps.step, (s.epoch, s.consumed)
+            before = s.epoch, s.consumed
             failure = sigterm.take_loader_failure()
             if failure is not None:
                 # A worker died while the step computed (a SIGTERM to the process group):
@@ -380,6 +385,13 @@ class ResumableLoader:
                 batches, watch = self._start()
                 continue
             if self._restores != restores:
+                if steps is not None:   # under @rt.main: the restore came after the draw
+                    raise RuntimeError(
+                        "this loader's iterator began before the checkpoint was restored "
+                        "into it (ctx.steps restores at its first iteration), so its "
+                        "batches no longer follow the checkpoint: call ctx.restore() "
+                        "before drawing the first batch (before a batch drawn ahead of "
+                        "the loop, or zip(data, ctx.steps(n)))")
                 raise RuntimeError(
                     "the loader's state was loaded while this iterator was live, so its "
                     "batches no longer follow the checkpoint: call iter(loader) or "
@@ -389,6 +401,10 @@ class ResumableLoader:
             taken = min(self.batch_size, left)
             left -= taken
             s.consumed += taken * s.num_replicas
+            if steps is not None:
+                begun = steps.optimizer_steps
+                if self._span is None or begun != self._span_opt:
+                    self._span, self._span_opt = before, begun
             yield batch
         # Not reached when the consumer stops early (GeneratorExit): the epoch goes on.
         s.epoch += 1
@@ -422,24 +438,38 @@ class ResumableLoader:
             yield from self._epoch()
 
     def state_dict(self) -> dict[str, Any]:
-        return self.sampler.state_dict()
+        """The position of the finished steps: under ``@rt.main``, without the batches
+        already handed out for the step in flight."""
+        state = self.sampler.state_dict()
+        if self._span is not None:
+            state["epoch"], state["consumed"] = self._span
+        return state
 
     def _follow_steps(self, steps: Any) -> None:
-        """Take the step boundaries from ``steps.step`` (``ctx.track`` passes the Context)."""
-        self._steps, self._boundary_step, self._epoch_read_early = steps, None, None
+        """Count the batches of the step in flight (``ctx.track`` passes the Context, whose
+        ``optimizer_steps`` counts the tracked optimizers' steps begun)."""
+        self._steps, self._span, self._epoch_read_early = steps, None, None
+
+    def _at_boundary(self, stepped: bool) -> None:
+        """A step ended (``stepped``: it ran an optimizer step). Batches handed out since
+        then stay the next step's; any others were the ended step's."""
+        if not (stepped and self._span is not None
+                and self._span_opt == self._steps.optimizer_steps):
+            self._span = None
 
     def _rewind_to_boundary(self) -> None:
         """Set the position back to the start of the step in flight, undoing the batches
         it drew (micro-batches), for a save of the last finished step. The iterator in
         flight is stale afterwards."""
-        if self._steps is not None and self._boundary_step == self._steps.step:
-            self.sampler.epoch, self.sampler.consumed = self._boundary
+        if self._span is not None:
+            self.sampler.epoch, self.sampler.consumed = self._span
+            self._span = None
             self._restores += 1
         # Otherwise the step in flight has drawn nothing: the position is the boundary's.
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         self.sampler.load_state_dict(state)
         self._restores += 1
-        self._boundary_step = None
+        self._span = None
         log.info("data position restored: epoch %d, %d samples consumed",
                  self.sampler.epoch, self.sampler.consumed)

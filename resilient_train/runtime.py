@@ -187,6 +187,7 @@ class Context:
         self._loaders: dict[str, Any] = {}   # tracked ResumableLoaders, by name
         self._began = False   # restored: from here a failure hands this life's state over
         self._unreported = False   # restored, and the restore not yet in the telemetry
+        self._in_step = False   # ctx.steps yielded a step whose end it has not seen
 
     @property
     def rank(self) -> int:
@@ -203,6 +204,11 @@ class Context:
     @property
     def device(self) -> Any:
         return self.group.device
+
+    @property
+    def optimizer_steps(self) -> int:
+        """Steps begun by the tracked optimizers and GradScalers in this life."""
+        return self.checkpoints.optimizer_steps
 
     @property
     def values(self) -> dict[str, Any]:
@@ -271,8 +277,11 @@ class Context:
         deferred = not hasattr(loading, "_SIGCHLD_handler_set") or \
             sigterm.defer_loader_failures()
         for step in range(start, total):
+            self._in_step = True   # until the loop comes back for the next one
             yield step
+            self._in_step = False
             self.step = done = step + 1
+            self._step_ended()
             if not deferred and loading._SIGCHLD_handler_set:  # type: ignore[union-attr]
                 deferred = sigterm.defer_loader_failures()
             if tele is not None:   # first: an emergency save on SIGTERM exits in maybe_save
@@ -282,6 +291,13 @@ class Context:
                 tele.saved(done, mgr.last_blocking_s)
             group.phase("step")
             group.step_done(done)
+
+    def _step_ended(self) -> None:
+        """The step in flight is done: the loaders' batches drawn so far are its own, but
+        for those drawn after its optimizer step (the next step's)."""
+        stepped = self.checkpoints.stepped_since_boundary
+        for loader in self._loaders.values():
+            loader._at_boundary(stepped)
 
     def _hand_over(self) -> None:
         """The life ends on an error: leave its state at the last step boundary in the
@@ -298,6 +314,12 @@ class Context:
 
     def _finish(self) -> None:
         mgr = self.checkpoints
+        if self._in_step and mgr.stepped_since_boundary:
+            # The loop was left after the step in flight's optimizer step (a break at the
+            # end of the body, or a zip with the data that ran out first, which never
+            # resumes ctx.steps): the state is that step's end, so it is saved as done.
+            self.step += 1
+            self._step_ended()
         self.group.phase("save")   # the last save and the upload in flight: no hang
         if self.options.final_save and self.step and mgr.last_saved_step != self.step:
             mgr.save(self.step)

@@ -169,3 +169,71 @@ def test_a_value_no_checkpoint_could_load_raises_where_it_is_set(tmp_path: Path)
     assert proc.stdout.split() == ["step", "0", "step", "1", "step", "2"], proc.stdout
     assert "ctx.values['acc']: numpy.float64 (numpy scalar: use x.item()" in proc.stderr
     assert 'ctx.values["acc"] = np.mean' in proc.stderr   # the user's line, in the traceback
+
+
+DRAW_ORDER = Path(__file__).parent / "runtime_workers" / "draw_order.py"
+
+
+def _draw_order_runs(tmp: Path, runs: list[tuple[str, str, dict[str, str]]]
+                     ) -> dict[str, dict[str, object]]:
+    """Run draw_order.py once per (name, order, env), side by side: what each wrote."""
+    procs = {}
+    for name, order, env in runs:
+        full = outside_env() | {"CKPT": str(tmp / name), "OUT": str(tmp / f"{name}.pt"),
+                                "ORDER": order, "FAIL_ONCE": str(tmp / f"{name}.failed"),
+                                **env}
+        procs[name] = subprocess.Popen([sys.executable, str(DRAW_ORDER)], env=full, text=True,
+                                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    outs = {name: (p.communicate(timeout=120)[0], p.returncode) for name, p in procs.items()}
+    for (name, _, env), (out, code) in zip(runs, outs.values()):
+        assert code == (134 if "FAIL_AT" in env and not (tmp / f"{name}.pt").exists()
+                        else 0), out[-3000:]
+    return {name: torch.load(tmp / f"{name}.pt", weights_only=True)
+            for name, _ in outs.items() if (tmp / f"{name}.pt").exists()}
+
+
+@pytest.mark.slow
+def test_a_batch_drawn_before_ctx_steps_ends_the_step_is_the_next_steps(
+        tmp_path: Path) -> None:
+    """A loop that draws a step's batch before ctx.steps has ended the step before it (an
+    epoch loop, ``for x, y in data: step = next(steps)``) or that prefetches the next batch
+    after ``opt.step()``: the checkpoint of a step leaves that batch out, so a resume
+    trains on it. Before, the step's checkpoint counted it as consumed, and the resumed
+    run skipped it (found with an epoch-style script killed under the launcher)."""
+    fail = {"FAIL_AT": "6"}   # after step 6's optimizer step: back to the save of step 4
+    first = _draw_order_runs(tmp_path, [("clean", "steps-first", {}),
+                                        ("draw-first", "draw-first", fail),
+                                        ("prefetch", "prefetch", fail)])
+    assert set(first) == {"clean"}   # the other two failed, exit 134
+    clean = first["clean"]
+    assert len(clean["seen"]) == 30 and clean["restored"] is None
+    again = _draw_order_runs(tmp_path, [("draw-first", "draw-first", fail),
+                                        ("prefetch", "prefetch", fail)])
+    for name, got in again.items():
+        assert got["restored"] == 4, name
+        assert got["seen"] == clean["seen"], name   # no batch skipped, none twice
+        for key, value in clean["weights"].items():
+            assert torch.equal(got["weights"][key], value), (name, key)
+
+
+@pytest.mark.slow
+def test_a_loop_left_after_its_optimizer_step_saves_that_step_as_done(tmp_path: Path) -> None:
+    """``zip(data, ctx.steps(n))`` over one epoch: the data runs out first, so ctx.steps
+    never sees its last step end. Its optimizer step ran: the final checkpoint is of 10
+    steps, not 9 (which a later run would resume from, training step 10 twice), and the
+    next run goes on from there with the next epoch."""
+    first = _draw_order_runs(tmp_path, [("zip", "zip", {})])["zip"]
+    assert len(first["seen"]) == 10 and first["restored"] is None
+    second = _draw_order_runs(tmp_path, [("zip", "zip", {})])["zip"]
+    assert second["restored"] == 10
+    assert len(second["seen"]) == 20 and second["seen"][:10] == first["seen"]
+    assert sorted(i for ids in second["seen"][10:] for i in ids) == list(range(40))
+    # Without ctx.restore() first, zip's first draw starts the loader's iterator before
+    # ctx.steps restores: named, with the fix, at the next batch.
+    late = subprocess.run([sys.executable, str(DRAW_ORDER)], text=True, capture_output=True,
+                          env=outside_env() | {"CKPT": str(tmp_path / "zip"), "ORDER":
+                                               "zip-unrestored", "OUT": str(tmp_path / "x")},
+                          timeout=120, check=False)
+    assert late.returncode == 1, late.stderr[-3000:]
+    assert "began before the checkpoint was restored into it" in late.stderr
+    assert "call ctx.restore() before drawing the first batch" in late.stderr

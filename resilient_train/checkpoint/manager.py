@@ -424,6 +424,18 @@ class CheckpointManager:
 
     # --- when to save -----------------------------------------------------------------
 
+    @property
+    def optimizer_steps(self) -> int:
+        """Steps begun by the tracked optimizers and GradScalers (a skipped scaler step
+        counts), in this manager's life."""
+        return self._steps_called
+
+    @property
+    def stepped_since_boundary(self) -> bool:
+        """Whether a tracked optimizer or GradScaler step began since the last
+        :meth:`maybe_save` (a step boundary)."""
+        return self._steps_called != self._steps_at_boundary
+
     def maybe_save(self, step: int) -> bool:
         """Call after each finished step (``step`` = steps done). Saves when the policy says so;
         cheap otherwise. Returns True when a save was started."""
@@ -431,8 +443,7 @@ class CheckpointManager:
         # collective): its boundary first, so that this life's hand-over keeps its state.
         if self._ring is not None:
             self._ring.boundary(step, self._rank_state, self.values)
-        stepped, self._steps_at_boundary = \
-            self._steps_called != self._steps_at_boundary, self._steps_called
+        stepped, self._steps_at_boundary = self.stepped_since_boundary, self._steps_called
         if self._error is not None:
             self._raise_error()
         decision = self.scheduler.decide(step)
