@@ -60,6 +60,26 @@ def _spec(**top: Any) -> dict[str, Any]:
     return {"workerPoolSpecs": [_pool(), _pool(2)], **top}
 
 
+def test_one_value_where_a_list_goes_is_a_list_of_it_as_gcloud_reads_it() -> None:
+    """gcloud's own --config example writes workerPoolSpecs as one pool's fields, not a
+    list: gcloud (protorpc's JSON decoding) reads a repeated field given one value as a
+    list of it, and so does the launcher, for the pools, command, args, packageUris and
+    env; the platform's own types then accept the document too."""
+    spec = parse_job_spec({"workerPoolSpecs": {
+        "machineSpec": {"machineType": "n1-highmem-2"}, "replicaCount": 1,
+        "containerSpec": {"imageUri": "gcr.io/ucaip-test/ucaip-training-test",
+                          "command": "start", "args": "--port=8500",
+                          "env": {"name": "MODE", "value": "train"}}}})
+    assert spec.pools == (("workerpool0", 1),)
+    assert spec.command == ("start", "--port=8500")
+    assert dict(spec.env) == {"MODE": "train"}
+    # An argument may hold spaces; a command that does would be one executable's name.
+    assert parse_job_spec(_set(_spec(), "workerPoolSpecs.0.containerSpec.args",
+                               "--msg=a b")).command == ("python", "t.py", "--msg=a b")
+    with pytest.raises(JobSpecError, match="write one item per argument"):
+        parse_job_spec(_set(_spec(), "workerPoolSpecs.0.containerSpec.command", "python t.py"))
+
+
 # --- the example ------------------------------------------------------------------------
 
 

@@ -20,6 +20,7 @@ without it, the tables below, our reading of the same API.
 
 from __future__ import annotations
 
+import copy
 import difflib
 import json
 import re
@@ -324,6 +325,35 @@ def _expanded_size(node: Any, yaml: Any, sizes: dict[int, int], open_: set[int],
 # --- parsing ----------------------------------------------------------------------------
 
 
+def _as_gcloud_reads(data: Mapping[str, Any]) -> dict[str, Any]:
+    """``data`` with a repeated field that holds one value (not a list) made a list of it,
+    as gcloud reads a --config file (protorpc's JSON decoding wraps it): gcloud's own
+    example writes ``workerPoolSpecs:`` with one pool's fields under it, and ``command:
+    train``. A command with spaces stays as it is: gcloud would make it one executable
+    named "python train.py", which no container has, and the parser says so."""
+    out = copy.deepcopy(dict(data))
+    spec = out["jobSpec"] if "jobSpec" in out else out
+    if not isinstance(spec, dict):
+        return out
+    pools = spec.get("workerPoolSpecs")
+    if isinstance(pools, Mapping):
+        spec["workerPoolSpecs"] = pools = [pools]
+    for pool in pools if isinstance(pools, list) else ():
+        for kind in ("containerSpec", "pythonPackageSpec"):
+            inner = pool.get(kind) if isinstance(pool, dict) else None
+            if not isinstance(inner, dict):
+                continue
+            for name in ("command", "args", "packageUris"):
+                value = inner.get(name)
+                if isinstance(value, str) and value and not (
+                        name == "command" and len(value.split()) > 1):
+                    inner[name] = [value]
+            env = inner.get("env")
+            if isinstance(env, Mapping) and "name" in env:
+                inner["env"] = [env]
+    return out
+
+
 def parse_job_spec(data: Any) -> JobSpec:
     """A ``JobSpec`` from a decoded CustomJob or CustomJobSpec document."""
     if data is None:
@@ -332,6 +362,7 @@ def parse_job_spec(data: Any) -> JobSpec:
         raise JobSpecError(
             f"expected a mapping at the top (workerPoolSpecs: ..., or jobSpec: ...), found "
             f"{_kind(data)}")
+    data = _as_gcloud_reads(data)
     p = _Parser()
     display_name: str | None = None
     if "jobSpec" in data:                       # a whole CustomJob
