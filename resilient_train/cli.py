@@ -507,13 +507,17 @@ def _exported_job(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
     image and accelerator type. Raises one of :func:`_export_errors`."""
     from .launcher.export import complete, job_from_record, with_overrides
     from .launcher.jobspec import load_job_spec
-    from .launcher.record import read_job
+    from .launcher.record import JOB_FILE, read_job
     from .launcher.runner import LaunchError
 
     command = _command(args)
     if args.from_job is None and not command and args.job_spec is None:
         parser.error(f"{args.cmd} needs the launch's options and command, e.g. resilient-train "
                      f"{args.cmd} --image URI -- python train.py, or --from-job JOB_DIR")
+    if args.from_job is None and len(command) == 1 and (Path(command[0]) / JOB_FILE).is_file():
+        # `export rt-jobs/NAME`: a job's directory, not a command to put in a container.
+        parser.error(f"{command[0]} is a job's directory, not a command: resilient-train "
+                     f"{args.cmd} --from-job {command[0]}")
     if args.from_job is not None:
         defaults = vars(_parser().parse_args([args.cmd]))
         allowed = _FROM_JOB_OPTIONS | (_SUBMIT_OPTIONS if args.cmd == "submit" else set())

@@ -263,6 +263,12 @@ def test_export_from_a_job_record(tmp_path: Path, capsys: pytest.CaptureFixture[
     # Other launch options do not apply to a record: they are refused, by name.
     status, _, err = _export(["--from-job", str(job_dir), "--workers", "3"], capsys)
     assert status == 2 and "drop --workers" in err
+    # The job's directory where the command goes: no image would be the error; the fix is.
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["export", str(job_dir)])
+    assert exc.value.code == 2
+    assert (f"{job_dir} is a job's directory, not a command: resilient-train export "
+            f"--from-job {job_dir}") in capsys.readouterr().err
 
 
 def test_a_record_with_masked_secrets_is_not_exported_with_stars(
