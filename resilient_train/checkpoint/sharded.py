@@ -95,9 +95,12 @@ _CHUNK = 8 << 20
 # --- when the sharded layout applies -----------------------------------------------------
 
 def _is_dtensor(obj: Any) -> bool:
-    # By name, like state.py: importing torch.distributed.tensor costs seconds.
-    return isinstance(obj, torch.Tensor) and any(
-        c.__name__ == "DTensor" for c in type(obj).__mro__)
+    # By name, like state.py: importing torch.distributed.tensor costs seconds. Plain
+    # tensors and parameters first: every save asks this of every parameter.
+    t = type(obj)
+    if t is torch.Tensor or t is torch.nn.Parameter:
+        return False
+    return isinstance(obj, torch.Tensor) and any(c.__name__ == "DTensor" for c in t.__mro__)
 
 
 def _tree_has_dtensor(tree: Any) -> bool:
