@@ -402,7 +402,7 @@ class ResumableLoader:
             left -= taken
             s.consumed += taken * s.num_replicas
             if steps is not None:
-                begun = steps.optimizer_steps
+                begun = steps.checkpoints.optimizer_steps
                 if self._span is None or begun != self._span_opt:
                     self._span, self._span_opt = before, begun
             yield batch
@@ -446,15 +446,15 @@ class ResumableLoader:
         return state
 
     def _follow_steps(self, steps: Any) -> None:
-        """Count the batches of the step in flight (``ctx.track`` passes the Context, whose
-        ``optimizer_steps`` counts the tracked optimizers' steps begun)."""
+        """Count the batches of the step in flight (``ctx.track`` passes the Context; its
+        checkpoint manager counts the tracked optimizers' steps begun)."""
         self._steps, self._span, self._epoch_read_early = steps, None, None
 
     def _at_boundary(self, stepped: bool) -> None:
         """A step ended (``stepped``: it ran an optimizer step). Batches handed out since
         then stay the next step's; any others were the ended step's."""
         if not (stepped and self._span is not None
-                and self._span_opt == self._steps.optimizer_steps):
+                and self._span_opt == self._steps.checkpoints.optimizer_steps):
             self._span = None
 
     def _rewind_to_boundary(self) -> None:

@@ -206,11 +206,6 @@ class Context:
         return self.group.device
 
     @property
-    def optimizer_steps(self) -> int:
-        """Steps begun by the tracked optimizers and GradScalers in this life."""
-        return self.checkpoints.optimizer_steps
-
-    @property
     def values(self) -> dict[str, Any]:
         """User values saved with every checkpoint (data position, epoch, metrics)."""
         return self.checkpoints.values
