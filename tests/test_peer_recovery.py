@@ -514,6 +514,20 @@ def test_an_ema_updated_after_opt_step_comes_back_with_its_update_count(
     assert "rank 0: step 1 changed the buffer ema.n_averaged after opt.step()" in outs[0]
 
 
+def test_a_large_per_rank_state_is_named_once_with_what_makes_it_large(
+        tmp_path: Path) -> None:
+    """The ring pickles and sends each rank's own state every step: a loss history kept
+    in ctx.values grows that cost without end. Past 1 MB the rank says so, once, naming
+    the value, and the recovery from memory still works."""
+    outs = early_restore_ranks(tmp_path, LARGE="1")
+    line = "rank 0: its own state (RNG, ctx.values, buffers) is 1.4 MB, mostly " \
+           "ctx.values['history'] (1.4 MB)"
+    assert outs[0].count(line) == 1, outs[0]
+    got = torch.load(tmp_path / "rank0.pt", weights_only=True)
+    assert got["step"] == 4 and got["record"]["source"] == "peer", got["record"]
+    assert "its own state" not in outs[1]   # rank 1's is small
+
+
 def test_a_rank_lost_after_a_skipped_gradscaler_step_leaves_its_copy_with_its_peer(
         tmp_path: Path) -> None:
     """A GradScaler that skips a step (an overflow) never calls the optimizer's step, whose

@@ -49,6 +49,9 @@ from .stepwrites import StepWrites, buffers_print
 
 log = logging.getLogger(__name__)
 
+# A rank's own state larger than this is named once: the ring pickles and sends it every
+# step (a loss history kept in ctx.values grows it, and the step's cost, without end).
+LARGE_RANK_STATE = 1 << 20
 # Boundaries of per-rank state kept (own and the partner's): survivors are at most one
 # step apart (a step's collectives need every rank), so two always cover the agreed step.
 KEEP = 2
@@ -71,6 +74,7 @@ class PeerMemory:
     # Whether this process has said (or need not say) that its state changes after its
     # optimizer step: a process that began from a restore was told so in an earlier one.
     said_changed: bool = False
+    said_large: bool = False   # ... that its per-rank state is large to send every step
     replicated: dict[str, Any] | None = None   # the last life's tracked state, at a boundary
     replicated_step: int | None = None
     save_point: tuple[int | None, float] = (None, 0.0)   # last save's (step, time)
@@ -168,6 +172,9 @@ class PeerRing:
             self._early_flags = _LATE if self._late or self._sent_for is None else 0
             state = rank_state()
             self._sent_for, self._sent = step, dumps_rank_state(state)
+            if len(self._sent) > LARGE_RANK_STATE and not self.memory.said_large:
+                self.memory.said_large = True
+                _say_large(self.rank, len(self._sent), state)
             self._sent_print = _fingerprint(state["values"], _listed(state.get("buffers")),
                                             state["rng"])
             self.link.send(_EARLY, step, self._early_flags, self._sent)
@@ -305,6 +312,22 @@ def _say_changed(rank: int, step: int, early: Mapping[str, Any],
 
 
 _NONE = "<not set>"
+
+
+def _say_large(rank: int, size: int, state: Mapping[str, Any]) -> None:
+    """Say, once, that this rank's own state is large, and what makes it so: peer
+    recovery pickles it and sends it to the next rank at every step."""
+    parts = {f"ctx.values[{k!r}]": len(_pickled(v)) for k, v in state["values"].items()}
+    parts.update({f"the buffers of {name}": sum(b.numel() * b.element_size()
+                                                for b in held.values())
+                  for name, held in (state.get("buffers") or {}).items()})
+    top = sorted(parts.items(), key=lambda kv: -kv[1])[:3]
+    (log.warning if rank == 0 else log.info)(
+        "rank %d: its own state (RNG, ctx.values, buffers) is %.1f MB, mostly %s; peer "
+        "recovery pickles it and sends it to the next rank at every step, which costs the "
+        "step time in proportion. Keep histories and large data out of ctx.values (write "
+        "them to a file; ctx.values is for positions, counters and metrics)",
+        rank, size / 1e6, ", ".join(f"{name} ({n / 1e6:.1f} MB)" for name, n in top))
 
 
 def _buffer_bits(buffers: Mapping[str, Mapping[str, Any]], name: str, key: str) -> Any:

@@ -15,6 +15,7 @@ does), and is lost after its last optimizer step, before that step's end.
 ``SKIP_LOST=1``: a tracked GradScaler skips every step (its scale is infinite), so the
 optimizer never steps; rank 1 is lost after its last ``scaler.step()``, before the step's
 end.
+``LARGE=1``: rank 0 keeps a loss history of 150k floats in its values (1.35 MB).
 ``EMA=1``: an SWA average of the model (``AveragedModel``, tracked) is updated after each
 optimizer step, which writes its buffer ``n_averaged``; nobody is lost."""
 import logging
@@ -62,6 +63,8 @@ def main() -> None:
     for step in range(STEPS):
         x = torch.randn(16, 8)
         mgr.values["seen"] = (step + 1) * (rank + 1)
+        if os.environ.get("LARGE") and rank == 0:
+            mgr.values["history"] = [0.5] * 150_000
         loss = model(x).pow(2).mean()
         opt.zero_grad()
         scaler.scale(loss).backward()
