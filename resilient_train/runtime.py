@@ -294,6 +294,16 @@ class Context:
         for loader in self._loaders.values():
             loader._at_boundary(stepped)
 
+    def _settle(self) -> None:
+        """The step in flight ran its optimizer step, and ctx.steps will not see it end: the
+        loop was left (a break at the end of the body, a zip whose data ran out first), or
+        its next batch's draw failed (an epoch loop draws it before ctx.steps ends the
+        step). The state is that step's end: count it as done, for the save that follows."""
+        if self._in_step and self.checkpoints.stepped_since_boundary:
+            self._in_step = False
+            self.step += 1
+            self._step_ended()
+
     def _hand_over(self) -> None:
         """The life ends on an error: leave its state at the last step boundary in the
         process's memory, for the next life's restore from peers (checkpoint/peers.py).
@@ -309,12 +319,7 @@ class Context:
 
     def _finish(self) -> None:
         mgr = self.checkpoints
-        if self._in_step and mgr.stepped_since_boundary:
-            # The loop was left after the step in flight's optimizer step (a break at the
-            # end of the body, or a zip with the data that ran out first, which never
-            # resumes ctx.steps): the state is that step's end, so it is saved as done.
-            self.step += 1
-            self._step_ended()
+        self._settle()
         self.group.phase("save")   # the last save and the upload in flight: no hang
         if self.options.final_save and self.step and mgr.last_saved_step != self.step:
             mgr.save(self.step)
@@ -351,6 +356,7 @@ class Context:
                            f"loading, so the state is not at a step boundary; no "
                            f"emergency checkpoint: the run resumes from step "
                            f"{mgr.last_commit_step or 0}", exc=exc, one_line=True)
+        self._settle()
         if not self.step:
             exit_transient(f"{what} before the first step finished; nothing to save",
                            exc=exc, one_line=True)

@@ -196,6 +196,23 @@ def test_a_process_group_sigterm_during_a_dataloader_saves_and_exits_134(
 
 
 @pytest.mark.slow
+def test_a_sigterm_at_an_epoch_loops_draw_saves_the_step_it_finished(tmp_path: Path) -> None:
+    # An epoch loop draws a step's batch before ctx.steps ends the step before it: the
+    # group's SIGTERM lands after step 4's optimizer step, and the next draw finds the
+    # workers dead. Step 4 is done: its checkpoint is of 5 steps and 5 batches (it was
+    # saved as step 4, with the state of 5, before).
+    run = start(tmp_path, DRAW_FIRST="1", PAUSE_AT="4")
+    run.wait_line(r"^paused 4$")
+    os.killpg(run.proc.pid, signal.SIGTERM)
+    rc = run.finish()
+    assert rc == 134, run.err_text[-3000:]
+    assert committed_steps(tmp_path / "ckpt") == [5], run.err_text[-2000:]
+    assert LOADER_LINE.format(step=5) in run.err_text
+    position = saved_position(tmp_path / "ckpt", 5)
+    assert (position["epoch"], position["consumed"]) == (0, 5 * BATCH)
+
+
+@pytest.mark.slow
 def test_a_sigterm_just_after_the_workers_died_still_saves(tmp_path: Path) -> None:
     # The workers are stopped first (a sender that signals one process after another): the
     # loop meets their death at its next batch, and the SIGTERM that follows within the

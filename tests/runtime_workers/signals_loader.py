@@ -2,10 +2,13 @@
 
 Environment: CKPT (checkpoint directory), STEPS, MICRO (batches per step: micro-batches),
 STEP_S (a sleep per step), PAUSE_AT (a step index: after its first batch it prints
-``paused N``, sleeps PAUSE_S, prints ``resumed N``, then draws the next), PLAIN=1 (a plain DataLoader over the same data instead of the
-ResumableLoader). Prints ``step N batch FIRST`` once step N (0-based) has its batches
-(FIRST: the first sample of its first batch) and ``done N`` after it, so a test waits on a
-line, not on a sleep; ``restored R position P`` at the start.
+``paused N``, sleeps PAUSE_S, prints ``resumed N``, then draws the next), PLAIN=1 (a plain
+DataLoader over the same data instead of the ResumableLoader), DRAW_FIRST=1 (an epoch
+loop's order, one batch per step: each step's batch is drawn before ctx.steps ends the
+step before it; PAUSE_AT pauses at the end of that step, after its optimizer step).
+Prints ``step N batch FIRST`` once step N (0-based) has its batches (FIRST: the first
+sample of its first batch) and ``done N`` after it, so a test waits on a line, not on a
+sleep; ``restored R position P`` at the start.
 """
 
 from __future__ import annotations
@@ -44,6 +47,21 @@ def train(ctx: rt.Context) -> None:
     micro = int(os.environ.get("MICRO", "1"))
     step_s = float(os.environ.get("STEP_S", "0.02"))
     pause_at = int(os.environ.get("PAUSE_AT", "-1"))
+    if os.environ.get("DRAW_FIRST") == "1":
+        steps = iter(ctx.steps(int(os.environ.get("STEPS", "1000"))))
+        for (x,) in batches:
+            step = next(steps, None)
+            if step is None:
+                break
+            print(f"step {step} batch {int(x[0, 0])}", flush=True)
+            model(x).pow(2).mean().backward()
+            opt.step()
+            opt.zero_grad()
+            print(f"done {step}", flush=True)
+            if step == pause_at:
+                print(f"paused {step}", flush=True)
+                time.sleep(float(os.environ.get("PAUSE_S", "1.0")))
+        return
     for step in ctx.steps(int(os.environ.get("STEPS", "1000"))):
         if step == ctx.restored_step or (step == 0 and ctx.restored_step is None):
             position = resumable.state_dict()["consumed"] if not plain else -1
