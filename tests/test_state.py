@@ -677,6 +677,31 @@ def test_a_generator_is_refused_at_track_saying_to_keep_it_per_rank(tmp_path: Pa
         assert "gen" not in mgr._tracked
 
 
+def test_a_numpy_generator_is_refused_at_track_and_its_kept_state_loads(
+        tmp_path: Path) -> None:
+    """np.random.default_rng() in the main process is each rank's own stream too: refused
+    at track with the per-rank recipe (not "numpy scalar: use x.item()", which it said
+    before), and the recipe works: its state goes in ctx.values, is saved, and loads
+    weights-only into a new generator that then draws what the first would have."""
+    import numpy as np
+
+    from resilient_train import CheckpointManager
+
+    rng = np.random.default_rng(7)
+    with CheckpointManager(tmp_path / "ckpt") as mgr:
+        for name, obj in (("rng", rng), ("legacy", np.random.RandomState(7))):
+            with pytest.raises(TypeError, match=rf"ctx.track\({name}=...\) got a NumPy"):
+                mgr.track(**{name: obj})
+        rng.random(5)
+        mgr.values["rng"] = rng.bit_generator.state   # the recipe: checked as it is set
+        mgr.save(1, blocking=True)
+    with CheckpointManager(tmp_path / "ckpt") as mgr:
+        assert mgr.restore_latest(strict=False) == 1
+        again = np.random.default_rng(0)
+        again.bit_generator.state = mgr.values["rng"]
+        assert again.random(3).tolist() == rng.random(3).tolist()
+
+
 def test_a_stateless_object_is_refused_at_track_not_at_the_first_save(
         tmp_path: Path) -> None:
     """A DataLoader tracked to resume its position (it has no state_dict) failed at the

@@ -259,7 +259,9 @@ def _unsafe_hint(obj: Any) -> str:
     if module.startswith("numpy"):
         if hasattr(obj, "shape") and getattr(obj, "ndim", 0) > 0:
             return f"{name} (convert with torch.from_numpy(x))"
-        return f"{name} (numpy scalar: use x.item(), int(x) or float(x))"
+        if hasattr(obj, "dtype") and hasattr(obj, "item"):
+            return f"{name} (numpy scalar: use x.item(), int(x) or float(x))"
+        return name
     if isinstance(obj, tuple) and hasattr(obj, "_fields"):
         return f"{name} (namedtuple: convert with tuple(x) or x._asdict())"
     if isinstance(obj, enum.Enum):
@@ -870,7 +872,19 @@ def refuse_rank_local_state(name: str, obj: Any) -> None:
             f"ctx.values[{name!r}] = {name}.get_state() before opt.step(), and "
             f"{name}.set_state(ctx.values[{name!r}]) after ctx.restore() when "
             "ctx.restored_step is set (the global RNGs are saved per rank already)")
-    if type(obj).__name__ == "ZeroRedundancyOptimizer":
+    kind = type(obj).__name__
+    if type(obj).__module__.startswith("numpy.random") and kind in ("Generator",
+                                                                     "RandomState"):
+        keep = (f"ctx.values[{name!r}] = {name}.bit_generator.state before opt.step(), and "
+                f"{name}.bit_generator.state = ctx.values[{name!r}] after ctx.restore() when "
+                "ctx.restored_step is set" if kind == "Generator" else
+                "draw from np.random's global functions (saved per rank already) or from "
+                "np.random.default_rng(), whose state can be kept in ctx.values")
+        raise TypeError(
+            f"ctx.track({name}=...) got a NumPy {kind}: tracked objects are saved once, by "
+            "the primary, for every rank, and a generator's stream is usually each rank's "
+            f"own. Keep its state per rank: {keep}")
+    if kind == "ZeroRedundancyOptimizer":
         raise TypeError(
             f"ctx.track({name}=...) got a ZeroRedundancyOptimizer: each rank holds only its "
             "part of the optimizer state, and state_dict() raises unless every rank first "
