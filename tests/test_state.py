@@ -677,29 +677,37 @@ def test_a_generator_is_refused_at_track_saying_to_keep_it_per_rank(tmp_path: Pa
         assert "gen" not in mgr._tracked
 
 
-def test_a_numpy_generator_is_refused_at_track_and_its_kept_state_loads(
+def test_a_numpy_or_random_generator_is_refused_at_track_and_its_kept_state_loads(
         tmp_path: Path) -> None:
-    """np.random.default_rng() in the main process is each rank's own stream too: refused
-    at track with the per-rank recipe (not "numpy scalar: use x.item()", which it said
-    before), and the recipe works: its state goes in ctx.values, is saved, and loads
-    weights-only into a new generator that then draws what the first would have."""
+    """np.random.default_rng() and random.Random() in the main process are each rank's own
+    streams too: refused at track with the per-rank recipe (not "numpy scalar: use
+    x.item()", which it said before), and the recipe works: their state goes in
+    ctx.values, is saved, and loads weights-only into new generators that then draw what
+    the first would have."""
+    import random
+
     import numpy as np
 
     from resilient_train import CheckpointManager
 
-    rng = np.random.default_rng(7)
+    rng, py = np.random.default_rng(7), random.Random(7)
     with CheckpointManager(tmp_path / "ckpt") as mgr:
-        for name, obj in (("rng", rng), ("legacy", np.random.RandomState(7))):
-            with pytest.raises(TypeError, match=rf"ctx.track\({name}=...\) got a NumPy"):
+        for name, obj, kind in (("rng", rng, "a NumPy Generator"),
+                                ("legacy", np.random.RandomState(7), "a NumPy RandomState"),
+                                ("py", py, "a random.Random")):
+            with pytest.raises(TypeError, match=rf"ctx.track\({name}=...\) got {kind}"):
                 mgr.track(**{name: obj})
-        rng.random(5)
-        mgr.values["rng"] = rng.bit_generator.state   # the recipe: checked as it is set
+        rng.random(5), py.random()
+        mgr.values["rng"] = rng.bit_generator.state   # the recipes: checked as they are set
+        mgr.values["py"] = py.getstate()
         mgr.save(1, blocking=True)
     with CheckpointManager(tmp_path / "ckpt") as mgr:
         assert mgr.restore_latest(strict=False) == 1
-        again = np.random.default_rng(0)
+        again, py_again = np.random.default_rng(0), random.Random(0)
         again.bit_generator.state = mgr.values["rng"]
+        py_again.setstate(mgr.values["py"])
         assert again.random(3).tolist() == rng.random(3).tolist()
+        assert py_again.random() == py.random()
 
 
 def test_a_stateless_object_is_refused_at_track_not_at_the_first_save(

@@ -873,6 +873,13 @@ def refuse_rank_local_state(name: str, obj: Any) -> None:
             f"{name}.set_state(ctx.values[{name!r}]) after ctx.restore() when "
             "ctx.restored_step is set (the global RNGs are saved per rank already)")
     kind = type(obj).__name__
+    if isinstance(obj, random.Random) and not isinstance(obj, random.SystemRandom):
+        raise TypeError(
+            f"ctx.track({name}=...) got a random.Random: tracked objects are saved once, by "
+            "the primary, for every rank, and a generator's stream is usually each rank's "
+            f"own. Keep its state per rank: ctx.values[{name!r}] = {name}.getstate() before "
+            f"opt.step(), and {name}.setstate(ctx.values[{name!r}]) after ctx.restore() when "
+            "ctx.restored_step is set")
     if type(obj).__module__.startswith("numpy.random") and kind in ("Generator",
                                                                      "RandomState"):
         keep = (f"ctx.values[{name!r}] = {name}.bit_generator.state before opt.step(), and "
