@@ -157,3 +157,51 @@ def test_a_save_in_the_middle_of_gradients_accumulated_over_steps_is_named(
     assert "no optimizer step" not in _accumulating_run(tmp_path / "one", accumulate=1)
     assert "no optimizer step" not in _accumulating_run(tmp_path / "skip", accumulate=1,
                                                          skip_all=True)
+
+
+def _untracked_run(tmp_path: Path, *, track_optimizer: bool, manual: bool = False) -> str:
+    """Six steps of Adam (or SGD by hand, ``manual``), saved every second one, with the
+    optimizer tracked or not. The manager's log."""
+    import resilient_train.checkpoint.manager as manager_module
+    from resilient_train import CheckpointManager, CheckpointOptions
+
+    manager_module._SAID_UNTRACKED = False
+    torch.manual_seed(0)
+    model = nn.Linear(4, 1)
+    opt = torch.optim.Adam(model.parameters(), lr=0.1)
+    records: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda r: records.append(r.getMessage())  # type: ignore[method-assign]
+    logging.getLogger("resilient_train.checkpoint.manager").addHandler(handler)
+    try:
+        with CheckpointManager(tmp_path / "ckpt", options=CheckpointOptions(
+                save_every_steps=2, async_save=False)) as mgr:
+            mgr.track(model=model, **({"optimizer": opt} if track_optimizer else {}))
+            for step in range(6):
+                opt.zero_grad()
+                model(torch.randn(8, 4)).pow(2).mean().backward()
+                if manual:
+                    with torch.no_grad():
+                        for p in model.parameters():
+                            p -= 0.1 * p.grad
+                else:
+                    opt.step()
+                mgr.maybe_save(step + 1)
+    finally:
+        logging.getLogger("resilient_train.checkpoint.manager").removeHandler(handler)
+    return "\n".join(records)
+
+
+def test_an_optimizer_left_untracked_is_named_once(tmp_path: Path) -> None:
+    """ctx.track(model=model) without the optimizer: Adam's moments and step count are in
+    no checkpoint, and a restart begins them afresh. The parameters changed with no tracked
+    optimizer step: said once, at the first save; not when the optimizer is tracked."""
+    log = _untracked_run(tmp_path / "untracked", track_optimizer=False)
+    assert log.count("no tracked optimizer stepped") == 1, log
+    assert "the parameters of model changed between steps 1 and 2" in log
+    assert "ctx.track(model=model, optimizer=opt)" in log
+    assert "no tracked optimizer" not in _untracked_run(tmp_path / "tracked",
+                                                        track_optimizer=True)
+    # Updates by hand are named too (nothing tells them apart), with that case in it.
+    assert "updates of your own that keep no state need nothing" in _untracked_run(
+        tmp_path / "manual", track_optimizer=False, manual=True)

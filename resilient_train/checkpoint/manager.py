@@ -287,6 +287,7 @@ class _Sharded(Exception):
 
 
 _SAID_ACCUMULATION = False   # once per process: every life of a job would say it again
+_SAID_UNTRACKED = False      # ... and so would an optimizer left untracked
 
 
 class CheckpointManager:
@@ -353,6 +354,9 @@ class CheckpointManager:
         # Optimizer (and GradScaler) steps called, and the count at the last boundary: a
         # save after a step without one may cut gradients being accumulated in two.
         self._steps_called = self._steps_at_boundary = 0
+        # At the first step boundary, then at each save: the tracked modules' parameter
+        # version sums, the count above, and the step.
+        self._params_seen: tuple[dict[str, int], int, int] | None = None
         self._read_bytes = 0   # checkpoint bytes this rank read from storage in a restore
         self._local: LocalTier | None = None
         if self.options.node_local is not None:
@@ -444,6 +448,8 @@ class CheckpointManager:
         if self._ring is not None:
             self._ring.boundary(step, self._rank_state, self.values)
         stepped, self._steps_at_boundary = self.stepped_since_boundary, self._steps_called
+        if self._params_seen is None:   # where the first save's check starts from
+            self._say_if_untracked_optimizer(step)
         if self._error is not None:
             self._raise_error()
         decision = self.scheduler.decide(step)
@@ -477,6 +483,33 @@ class CheckpointManager:
             "ctx.steps step one optimizer step, with the micro-batches looped inside it "
             '(docs/checkpointing.md, "Exact data position")', step)
 
+    def _say_if_untracked_optimizer(self, step: int) -> None:
+        """The tracked modules' parameters changed since the first step boundary or the
+        last save, and no tracked optimizer (or GradScaler) stepped: an optimizer that is
+        not tracked updates them, and its state is in no checkpoint. Said once per
+        process, by the primary. The first call only takes note."""
+        global _SAID_UNTRACKED
+        import torch
+
+        if _SAID_UNTRACKED:
+            return
+        versions = {name: sum(p._version for p in obj.parameters())
+                    for name, obj in self._tracked.items() if isinstance(obj, torch.nn.Module)}
+        before, self._params_seen = self._params_seen, (versions, self._steps_called, step)
+        if before is None or self._steps_called != before[1]:
+            return
+        changed = [name for name, v in versions.items() if before[0].get(name, v) != v]
+        if not changed:
+            return
+        _SAID_UNTRACKED = True
+        (log.warning if self.is_primary else log.debug)(   # every rank steps alike
+            "the parameters of %s changed between steps %d and %d, but "
+            "no tracked optimizer stepped: an optimizer that is not tracked updates them, "
+            "and its state (momentum, Adam's moments, its step count) is in no checkpoint, "
+            "so a restart begins it afresh and the run does not resume exactly. Track it "
+            "with the model: ctx.track(model=model, optimizer=opt) (updates of your own that "
+            "keep no state need nothing)", ", ".join(changed), before[2], step)
+
     # --- saving -----------------------------------------------------------------------
 
     def _persistent_due(self) -> bool:
@@ -496,6 +529,7 @@ class CheckpointManager:
             self._raise_error()
         t_wait = time.perf_counter()
         self._wait_or_leave()
+        self._say_if_untracked_optimizer(step)
         sync = bool(blocking or (blocking is None and not self.options.async_save))
         self._save(step, sync=sync, persistent=persistent,
                    overlap=self.options.overlap_snapshot)
