@@ -205,3 +205,42 @@ def test_an_optimizer_left_untracked_is_named_once(tmp_path: Path) -> None:
     # Updates by hand are named too (nothing tells them apart), with that case in it.
     assert "updates of your own that keep no state need nothing" in _untracked_run(
         tmp_path / "manual", track_optimizer=False, manual=True)
+
+
+def test_an_lr_scheduler_left_untracked_is_named_once(tmp_path: Path) -> None:
+    """An optimizer driven by a StepLR that is not tracked: a restart would begin the
+    schedule afresh. Said at the first step, naming the optimizer; not when the scheduler
+    (or a SequentialLR over it) is tracked."""
+    import resilient_train.checkpoint.manager as manager_module
+    from resilient_train import CheckpointManager
+
+    def first_step_log(tmp: Path, track_sched: bool, sequential: bool = False) -> str:
+        manager_module._SAID_SCHEDULE = False
+        model = nn.Linear(4, 1)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        sched: torch.optim.lr_scheduler.LRScheduler = torch.optim.lr_scheduler.StepLR(opt, 2)
+        if sequential:
+            sched = torch.optim.lr_scheduler.SequentialLR(
+                opt, [torch.optim.lr_scheduler.LinearLR(opt, total_iters=2), sched], [2])
+        records: list[str] = []
+        handler = logging.Handler()
+        handler.emit = lambda r: records.append(r.getMessage())  # type: ignore[method-assign]
+        logging.getLogger("resilient_train.checkpoint.manager").addHandler(handler)
+        try:
+            with CheckpointManager(tmp / "ckpt") as mgr:
+                mgr.track(model=model, opt=opt, **({"sched": sched} if track_sched else {}))
+                for step in range(3):
+                    model(torch.randn(8, 4)).pow(2).mean().backward()
+                    opt.step()
+                    sched.step()
+                    mgr.maybe_save(step + 1)
+        finally:
+            logging.getLogger("resilient_train.checkpoint.manager").removeHandler(handler)
+        return "\n".join(records)
+
+    log = first_step_log(tmp_path / "untracked", track_sched=False)
+    assert log.count("is driven by an LR scheduler") == 1, log
+    assert "the optimizer opt is driven by an LR scheduler" in log
+    assert "LR scheduler" not in first_step_log(tmp_path / "tracked", track_sched=True)
+    assert "LR scheduler" not in first_step_log(tmp_path / "seq", track_sched=True,
+                                                sequential=True)

@@ -288,6 +288,7 @@ class _Sharded(Exception):
 
 _SAID_ACCUMULATION = False   # once per process: every life of a job would say it again
 _SAID_UNTRACKED = False      # ... and so would an optimizer left untracked
+_SAID_SCHEDULE = False       # ... or an LR scheduler
 
 
 class CheckpointManager:
@@ -450,6 +451,7 @@ class CheckpointManager:
         stepped, self._steps_at_boundary = self.stepped_since_boundary, self._steps_called
         if self._params_seen is None:   # where the first save's check starts from
             self._say_if_untracked_optimizer(step)
+            self._say_if_untracked_scheduler()
         if self._error is not None:
             self._raise_error()
         decision = self.scheduler.decide(step)
@@ -509,6 +511,28 @@ class CheckpointManager:
             "so a restart begins it afresh and the run does not resume exactly. Track it "
             "with the model: ctx.track(model=model, optimizer=opt) (updates of your own that "
             "keep no state need nothing)", ", ".join(changed), before[2], step)
+
+    def _say_if_untracked_scheduler(self) -> None:
+        """A tracked optimizer that an LR scheduler drives (its param groups carry the
+        scheduler's ``initial_lr``), with no tracked scheduler of it: a restart would begin
+        the schedule afresh. Said once per process, by the primary, at the first step."""
+        global _SAID_SCHEDULE
+        import torch
+
+        if _SAID_SCHEDULE:
+            return
+        scheduled = {id(getattr(obj, "optimizer", None)) for obj in self._tracked.values()}
+        names = [name for name, obj in self._tracked.items()
+                 if isinstance(obj, torch.optim.Optimizer) and id(obj) not in scheduled
+                 and any("initial_lr" in g for g in obj.param_groups)]
+        if not names:
+            return
+        _SAID_SCHEDULE = True
+        (log.warning if self.is_primary else log.debug)(
+            "the optimizer %s is driven by an LR scheduler (its param groups carry "
+            "initial_lr) that is not tracked: a restart would begin its schedule afresh (a "
+            "warmup again, or the full rate after a decay) and the run would not resume "
+            "exactly. Track it too: ctx.track(..., sched=scheduler)", ", ".join(names))
 
     # --- saving -----------------------------------------------------------------------
 
