@@ -115,11 +115,11 @@ def test_a_tracked_scalers_step_is_unwrapped_when_its_manager_closes(tmp_path: P
 
 def _accumulating_run(tmp_path: Path, *, accumulate: int, skip_all: bool = False) -> str:
     """Six steps, saved every second one; the optimizer steps every ``accumulate``-th
-    (a GradScaler that skips every step when ``skip_all``). The manager's log."""
-    import resilient_train.checkpoint.manager as manager_module
+    (a GradScaler that skips every step when ``skip_all``). What the script is told."""
     from resilient_train import CheckpointManager, CheckpointOptions
+    from resilient_train.checkpoint import advice
 
-    manager_module._SAID_ACCUMULATION = False
+    advice._SAID.discard("accumulation")   # once per process: again here
     torch.manual_seed(0)
     model = nn.Linear(4, 1)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -128,7 +128,7 @@ def _accumulating_run(tmp_path: Path, *, accumulate: int, skip_all: bool = False
     records: list[str] = []
     handler = logging.Handler()
     handler.emit = lambda r: records.append(r.getMessage())  # type: ignore[method-assign]
-    logging.getLogger("resilient_train.checkpoint.manager").addHandler(handler)
+    logging.getLogger("resilient_train.checkpoint.advice").addHandler(handler)
     try:
         with CheckpointManager(tmp_path / "ckpt", options=CheckpointOptions(
                 save_every_steps=2, async_save=False)) as mgr:
@@ -141,7 +141,7 @@ def _accumulating_run(tmp_path: Path, *, accumulate: int, skip_all: bool = False
                     opt.zero_grad()
                 mgr.maybe_save(step + 1)
     finally:
-        logging.getLogger("resilient_train.checkpoint.manager").removeHandler(handler)
+        logging.getLogger("resilient_train.checkpoint.advice").removeHandler(handler)
     return "\n".join(records)
 
 
@@ -161,18 +161,18 @@ def test_a_save_in_the_middle_of_gradients_accumulated_over_steps_is_named(
 
 def _untracked_run(tmp_path: Path, *, track_optimizer: bool, manual: bool = False) -> str:
     """Six steps of Adam (or SGD by hand, ``manual``), saved every second one, with the
-    optimizer tracked or not. The manager's log."""
-    import resilient_train.checkpoint.manager as manager_module
+    optimizer tracked or not. What the script is told."""
     from resilient_train import CheckpointManager, CheckpointOptions
+    from resilient_train.checkpoint import advice
 
-    manager_module._SAID_UNTRACKED = False
+    advice._SAID.discard("untracked optimizer")   # once per process: again here
     torch.manual_seed(0)
     model = nn.Linear(4, 1)
     opt = torch.optim.Adam(model.parameters(), lr=0.1)
     records: list[str] = []
     handler = logging.Handler()
     handler.emit = lambda r: records.append(r.getMessage())  # type: ignore[method-assign]
-    logging.getLogger("resilient_train.checkpoint.manager").addHandler(handler)
+    logging.getLogger("resilient_train.checkpoint.advice").addHandler(handler)
     try:
         with CheckpointManager(tmp_path / "ckpt", options=CheckpointOptions(
                 save_every_steps=2, async_save=False)) as mgr:
@@ -188,7 +188,7 @@ def _untracked_run(tmp_path: Path, *, track_optimizer: bool, manual: bool = Fals
                     opt.step()
                 mgr.maybe_save(step + 1)
     finally:
-        logging.getLogger("resilient_train.checkpoint.manager").removeHandler(handler)
+        logging.getLogger("resilient_train.checkpoint.advice").removeHandler(handler)
     return "\n".join(records)
 
 
@@ -211,11 +211,11 @@ def test_an_lr_scheduler_left_untracked_is_named_once(tmp_path: Path) -> None:
     """An optimizer driven by a StepLR that is not tracked: a restart would begin the
     schedule afresh. Said at the first step, naming the optimizer; not when the scheduler
     (or a SequentialLR over it) is tracked."""
-    import resilient_train.checkpoint.manager as manager_module
     from resilient_train import CheckpointManager
+    from resilient_train.checkpoint import advice
 
     def first_step_log(tmp: Path, track_sched: bool, sequential: bool = False) -> str:
-        manager_module._SAID_SCHEDULE = False
+        advice._SAID.discard("untracked scheduler")   # once per process: again here
         model = nn.Linear(4, 1)
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
         sched: torch.optim.lr_scheduler.LRScheduler = torch.optim.lr_scheduler.StepLR(opt, 2)
@@ -225,7 +225,7 @@ def test_an_lr_scheduler_left_untracked_is_named_once(tmp_path: Path) -> None:
         records: list[str] = []
         handler = logging.Handler()
         handler.emit = lambda r: records.append(r.getMessage())  # type: ignore[method-assign]
-        logging.getLogger("resilient_train.checkpoint.manager").addHandler(handler)
+        logging.getLogger("resilient_train.checkpoint.advice").addHandler(handler)
         try:
             with CheckpointManager(tmp / "ckpt") as mgr:
                 mgr.track(model=model, opt=opt, **({"sched": sched} if track_sched else {}))
@@ -235,7 +235,7 @@ def test_an_lr_scheduler_left_untracked_is_named_once(tmp_path: Path) -> None:
                     sched.step()
                     mgr.maybe_save(step + 1)
         finally:
-            logging.getLogger("resilient_train.checkpoint.manager").removeHandler(handler)
+            logging.getLogger("resilient_train.checkpoint.advice").removeHandler(handler)
         return "\n".join(records)
 
     log = first_step_log(tmp_path / "untracked", track_sched=False)

@@ -37,6 +37,7 @@ from .. import __version__
 from ..errors import Classification, PermanentError, TransientError, classify_exception
 from ..validate import NONE, expect_type
 from . import shard_copies
+from .advice import ScriptAdvice
 from .commit import committer_for, remove_crashed_saves
 from .coordination import Coordinator, default_coordinator
 from .directory import (
@@ -286,9 +287,6 @@ class _Sharded(Exception):
     """Raised inside a hand-over: the state holds DTensors (shard_copies.py restores it)."""
 
 
-_SAID_ACCUMULATION = False   # once per process: every life of a job would say it again
-_SAID_UNTRACKED = False      # ... and so would an optimizer left untracked
-_SAID_SCHEDULE = False       # ... or an LR scheduler
 
 
 class CheckpointManager:
@@ -355,9 +353,7 @@ class CheckpointManager:
         # Optimizer (and GradScaler) steps called, and the count at the last boundary: a
         # save after a step without one may cut gradients being accumulated in two.
         self._steps_called = self._steps_at_boundary = 0
-        # At the first step boundary, then at each save: the tracked modules' parameter
-        # version sums, the count above, and the step.
-        self._params_seen: tuple[dict[str, int], int, int] | None = None
+        self._advice = ScriptAdvice(self._tracked, self.is_primary)   # what to change
         self._read_bytes = 0   # checkpoint bytes this rank read from storage in a restore
         self._local: LocalTier | None = None
         if self.options.node_local is not None:
@@ -449,90 +445,19 @@ class CheckpointManager:
         if self._ring is not None:
             self._ring.boundary(step, self._rank_state, self.values)
         stepped, self._steps_at_boundary = self.stepped_since_boundary, self._steps_called
-        if self._params_seen is None:   # where the first save's check starts from
-            self._say_if_untracked_optimizer(step)
-            self._say_if_untracked_scheduler()
+        self._advice.boundary(step, self._steps_called)
         if self._error is not None:
             self._raise_error()
         decision = self.scheduler.decide(step)
         if decision is Decision.SKIP:
             return False
         if not stepped:
-            self._say_if_mid_accumulation(step)
+            self._advice.saving_without_a_step(step)
         if decision is Decision.EMERGENCY:
             self._exit_after_emergency(step, self.emergency_save(step))
         else:
             self.save(step, persistent=self._persistent_due())
         return True
-
-    def _say_if_mid_accumulation(self, step: int) -> None:
-        """A save after a step that called no tracked optimizer's step, with gradients
-        held: most likely gradients accumulated over several steps, whose partial sum no
-        checkpoint holds. Said once per process."""
-        global _SAID_ACCUMULATION
-        import torch
-
-        optimizers = [o for o in self._tracked.values() if isinstance(o, torch.optim.Optimizer)]
-        if _SAID_ACCUMULATION or not any(
-                p.grad is not None for o in optimizers for g in o.param_groups
-                for p in g["params"]):
-            return
-        _SAID_ACCUMULATION = True
-        (log.warning if self.is_primary else log.debug)(   # every rank steps alike
-            "the checkpoint of step %d follows a step that ran no optimizer step, with "
-            "gradients held. If gradients are accumulated over several ctx.steps steps, a "
-            "restore loses their partial sum and the run does not resume exactly: make one "
-            "ctx.steps step one optimizer step, with the micro-batches looped inside it "
-            '(docs/checkpointing.md, "Exact data position")', step)
-
-    def _say_if_untracked_optimizer(self, step: int) -> None:
-        """The tracked modules' parameters changed since the first step boundary or the
-        last save, and no tracked optimizer (or GradScaler) stepped: an optimizer that is
-        not tracked updates them, and its state is in no checkpoint. Said once per
-        process, by the primary. The first call only takes note."""
-        global _SAID_UNTRACKED
-        import torch
-
-        if _SAID_UNTRACKED:
-            return
-        versions = {name: sum(p._version for p in obj.parameters())
-                    for name, obj in self._tracked.items() if isinstance(obj, torch.nn.Module)}
-        before, self._params_seen = self._params_seen, (versions, self._steps_called, step)
-        if before is None or self._steps_called != before[1]:
-            return
-        changed = [name for name, v in versions.items() if before[0].get(name, v) != v]
-        if not changed:
-            return
-        _SAID_UNTRACKED = True
-        (log.warning if self.is_primary else log.debug)(   # every rank steps alike
-            "the parameters of %s changed between steps %d and %d, but "
-            "no tracked optimizer stepped: an optimizer that is not tracked updates them, "
-            "and its state (momentum, Adam's moments, its step count) is in no checkpoint, "
-            "so a restart begins it afresh and the run does not resume exactly. Track it "
-            "with the model: ctx.track(model=model, optimizer=opt) (updates of your own that "
-            "keep no state need nothing)", ", ".join(changed), before[2], step)
-
-    def _say_if_untracked_scheduler(self) -> None:
-        """A tracked optimizer that an LR scheduler drives (its param groups carry the
-        scheduler's ``initial_lr``), with no tracked scheduler of it: a restart would begin
-        the schedule afresh. Said once per process, by the primary, at the first step."""
-        global _SAID_SCHEDULE
-        import torch
-
-        if _SAID_SCHEDULE:
-            return
-        scheduled = {id(getattr(obj, "optimizer", None)) for obj in self._tracked.values()}
-        names = [name for name, obj in self._tracked.items()
-                 if isinstance(obj, torch.optim.Optimizer) and id(obj) not in scheduled
-                 and any("initial_lr" in g for g in obj.param_groups)]
-        if not names:
-            return
-        _SAID_SCHEDULE = True
-        (log.warning if self.is_primary else log.debug)(
-            "the optimizer %s is driven by an LR scheduler (its param groups carry "
-            "initial_lr) that is not tracked: a restart would begin its schedule afresh (a "
-            "warmup again, or the full rate after a decay) and the run would not resume "
-            "exactly. Track it too: ctx.track(..., sched=scheduler)", ", ".join(names))
 
     # --- saving -----------------------------------------------------------------------
 
@@ -553,7 +478,7 @@ class CheckpointManager:
             self._raise_error()
         t_wait = time.perf_counter()
         self._wait_or_leave()
-        self._say_if_untracked_optimizer(step)
+        self._advice.saving(step, self._steps_called)
         sync = bool(blocking or (blocking is None and not self.options.async_save))
         self._save(step, sync=sync, persistent=persistent,
                    overlap=self.options.overlap_snapshot)
