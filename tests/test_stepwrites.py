@@ -3,7 +3,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -113,36 +115,46 @@ def test_a_tracked_scalers_step_is_unwrapped_when_its_manager_closes(tmp_path: P
     assert scaler.step is theirs
 
 
+@contextlib.contextmanager
+def _told(key: str) -> Iterator[list[str]]:
+    """What checkpoint/advice.py tells the script meanwhile, with ``key`` (said once per
+    process) unsaid first."""
+    from resilient_train.checkpoint import advice
+
+    advice._SAID.discard(key)
+    records: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda r: records.append(r.getMessage())  # type: ignore[method-assign]
+    logger = logging.getLogger("resilient_train.checkpoint.advice")
+    logger.addHandler(handler)
+    try:
+        yield records
+    finally:
+        logger.removeHandler(handler)
+
+
 def _accumulating_run(tmp_path: Path, *, accumulate: int, skip_all: bool = False) -> str:
     """Six steps, saved every second one; the optimizer steps every ``accumulate``-th
     (a GradScaler that skips every step when ``skip_all``). What the script is told."""
     from resilient_train import CheckpointManager, CheckpointOptions
-    from resilient_train.checkpoint import advice
 
-    advice._SAID.discard("accumulation")   # once per process: again here
     torch.manual_seed(0)
     model = nn.Linear(4, 1)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     scaler = torch.amp.GradScaler("cpu", init_scale=float("inf") if skip_all else 1.0,
                                   enabled=skip_all)
-    records: list[str] = []
-    handler = logging.Handler()
-    handler.emit = lambda r: records.append(r.getMessage())  # type: ignore[method-assign]
-    logging.getLogger("resilient_train.checkpoint.advice").addHandler(handler)
-    try:
-        with CheckpointManager(tmp_path / "ckpt", options=CheckpointOptions(
-                save_every_steps=2, async_save=False)) as mgr:
-            mgr.track(model=model, optimizer=opt, scaler=scaler)
-            for step in range(6):
-                scaler.scale(model(torch.randn(8, 4)).pow(2).mean()).backward()
-                if (step + 1) % accumulate == 0:
-                    scaler.step(opt)
-                    scaler.update()
-                    opt.zero_grad()
-                mgr.maybe_save(step + 1)
-    finally:
-        logging.getLogger("resilient_train.checkpoint.advice").removeHandler(handler)
-    return "\n".join(records)
+    with _told("accumulation") as told, CheckpointManager(
+            tmp_path / "ckpt", options=CheckpointOptions(save_every_steps=2,
+                                                         async_save=False)) as mgr:
+        mgr.track(model=model, optimizer=opt, scaler=scaler)
+        for step in range(6):
+            scaler.scale(model(torch.randn(8, 4)).pow(2).mean()).backward()
+            if (step + 1) % accumulate == 0:
+                scaler.step(opt)
+                scaler.update()
+                opt.zero_grad()
+            mgr.maybe_save(step + 1)
+    return "\n".join(told)
 
 
 def test_a_save_in_the_middle_of_gradients_accumulated_over_steps_is_named(
@@ -163,33 +175,25 @@ def _untracked_run(tmp_path: Path, *, track_optimizer: bool, manual: bool = Fals
     """Six steps of Adam (or SGD by hand, ``manual``), saved every second one, with the
     optimizer tracked or not. What the script is told."""
     from resilient_train import CheckpointManager, CheckpointOptions
-    from resilient_train.checkpoint import advice
 
-    advice._SAID.discard("untracked optimizer")   # once per process: again here
     torch.manual_seed(0)
     model = nn.Linear(4, 1)
     opt = torch.optim.Adam(model.parameters(), lr=0.1)
-    records: list[str] = []
-    handler = logging.Handler()
-    handler.emit = lambda r: records.append(r.getMessage())  # type: ignore[method-assign]
-    logging.getLogger("resilient_train.checkpoint.advice").addHandler(handler)
-    try:
-        with CheckpointManager(tmp_path / "ckpt", options=CheckpointOptions(
-                save_every_steps=2, async_save=False)) as mgr:
-            mgr.track(model=model, **({"optimizer": opt} if track_optimizer else {}))
-            for step in range(6):
-                opt.zero_grad()
-                model(torch.randn(8, 4)).pow(2).mean().backward()
-                if manual:
-                    with torch.no_grad():
-                        for p in model.parameters():
-                            p -= 0.1 * p.grad
-                else:
-                    opt.step()
-                mgr.maybe_save(step + 1)
-    finally:
-        logging.getLogger("resilient_train.checkpoint.advice").removeHandler(handler)
-    return "\n".join(records)
+    with _told("untracked optimizer") as told, CheckpointManager(
+            tmp_path / "ckpt", options=CheckpointOptions(save_every_steps=2,
+                                                         async_save=False)) as mgr:
+        mgr.track(model=model, **({"optimizer": opt} if track_optimizer else {}))
+        for step in range(6):
+            opt.zero_grad()
+            model(torch.randn(8, 4)).pow(2).mean().backward()
+            if manual:
+                with torch.no_grad():
+                    for p in model.parameters():
+                        p -= 0.1 * p.grad
+            else:
+                opt.step()
+            mgr.maybe_save(step + 1)
+    return "\n".join(told)
 
 
 def test_an_optimizer_left_untracked_is_named_once(tmp_path: Path) -> None:
@@ -212,31 +216,22 @@ def test_an_lr_scheduler_left_untracked_is_named_once(tmp_path: Path) -> None:
     schedule afresh. Said at the first step, naming the optimizer; not when the scheduler
     (or a SequentialLR over it) is tracked."""
     from resilient_train import CheckpointManager
-    from resilient_train.checkpoint import advice
 
     def first_step_log(tmp: Path, track_sched: bool, sequential: bool = False) -> str:
-        advice._SAID.discard("untracked scheduler")   # once per process: again here
         model = nn.Linear(4, 1)
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
         sched: torch.optim.lr_scheduler.LRScheduler = torch.optim.lr_scheduler.StepLR(opt, 2)
         if sequential:
             sched = torch.optim.lr_scheduler.SequentialLR(
                 opt, [torch.optim.lr_scheduler.LinearLR(opt, total_iters=2), sched], [2])
-        records: list[str] = []
-        handler = logging.Handler()
-        handler.emit = lambda r: records.append(r.getMessage())  # type: ignore[method-assign]
-        logging.getLogger("resilient_train.checkpoint.advice").addHandler(handler)
-        try:
-            with CheckpointManager(tmp / "ckpt") as mgr:
-                mgr.track(model=model, opt=opt, **({"sched": sched} if track_sched else {}))
-                for step in range(3):
-                    model(torch.randn(8, 4)).pow(2).mean().backward()
-                    opt.step()
-                    sched.step()
-                    mgr.maybe_save(step + 1)
-        finally:
-            logging.getLogger("resilient_train.checkpoint.advice").removeHandler(handler)
-        return "\n".join(records)
+        with _told("untracked scheduler") as told, CheckpointManager(tmp / "ckpt") as mgr:
+            mgr.track(model=model, opt=opt, **({"sched": sched} if track_sched else {}))
+            for step in range(3):
+                model(torch.randn(8, 4)).pow(2).mean().backward()
+                opt.step()
+                sched.step()
+                mgr.maybe_save(step + 1)
+        return "\n".join(told)
 
     log = first_step_log(tmp_path / "untracked", track_sched=False)
     assert log.count("is driven by an LR scheduler") == 1, log
