@@ -237,6 +237,26 @@ def _reads_batches(dataset: Any) -> bool:
     return True
 
 
+_SAID_UNTRACKED = False   # once per process: every life would say it again
+
+
+def _say_if_untracked(rank: int) -> None:
+    """A ResumableLoader iterated under ``rt.main`` but not tracked: its position is in no
+    checkpoint. Said once per process, by rank 0."""
+    global _SAID_UNTRACKED
+    from . import runtime  # here: runtime's users import this module
+
+    if _SAID_UNTRACKED or runtime.live_context() is None:
+        return
+    _SAID_UNTRACKED = True
+    (log.warning if rank == 0 else log.debug)(
+        "a ResumableLoader is iterated under rt.main but is not tracked: its position "
+        "(epoch, samples consumed) is in no checkpoint, so a restart begins its epoch again "
+        "and trains on other batches than an uninterrupted run. Track it before the loop: "
+        "ctx.track(data=loader) (an evaluation loader, read from its start each time, needs "
+        "nothing)")
+
+
 class ResumableLoader:
     """A DataLoader whose position (epoch, samples consumed) is part of the checkpoint.
 
@@ -360,6 +380,8 @@ class ResumableLoader:
 
     def _epoch(self) -> Iterator[Any]:
         s = self.sampler
+        if self._steps is None:
+            _say_if_untracked(s.rank)
         restores = self._restores
         left = len(s)  # this rank's samples left, at the position the DataLoader starts from
         batches, watch = self._start()

@@ -427,9 +427,26 @@ def _raised_in_data_loading(exc: BaseException) -> bool:
     return False
 
 
+_LIVE: list[Context] = []   # the rt.main life running in this process (data.py asks)
+
+
+def live_context() -> Context | None:
+    """The Context of the ``rt.main`` life running in this process, if one is."""
+    return _LIVE[-1] if _LIVE else None
+
+
 def _life(fn: Callable[..., R], group: Any, options: MainOptions, args: tuple[Any, ...],
           kwargs: dict[str, Any]) -> R:
     ctx = Context(group, options)
+    _LIVE.append(ctx)
+    try:
+        return _live(ctx, fn, args, kwargs)
+    finally:
+        _LIVE.remove(ctx)
+
+
+def _live(ctx: Context, fn: Callable[..., R], args: tuple[Any, ...],
+          kwargs: dict[str, Any]) -> R:
     with ctx.checkpoints:  # on an error: waits for the save in flight, never raises over it
         try:
             # The state is fetched while fn builds the model (checkpoint/early.py).

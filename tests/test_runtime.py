@@ -237,3 +237,20 @@ def test_a_loop_left_after_its_optimizer_step_saves_that_step_as_done(tmp_path: 
     assert late.returncode == 1, late.stderr[-3000:]
     assert "began before the checkpoint was restored into it" in late.stderr
     assert "call ctx.restore() before drawing the first batch" in late.stderr
+
+
+def test_a_resumable_loader_left_untracked_is_named_once(tmp_path: Path) -> None:
+    """Under rt.main, a ResumableLoader drawn from but not tracked keeps its position in
+    no checkpoint: a restart would begin its epoch again. Said once, by rank 0; a tracked
+    one is not named."""
+    def stderr_of(name: str, **env: str) -> str:
+        full = outside_env() | {"CKPT": str(tmp_path / name), "ORDER": "steps-first",
+                                "OUT": str(tmp_path / f"{name}.pt"), **env}
+        proc = subprocess.run([sys.executable, str(DRAW_ORDER)], env=full, text=True,
+                              capture_output=True, timeout=120, check=False)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        return proc.stderr
+
+    line = "a ResumableLoader is iterated under rt.main but is not tracked"
+    assert stderr_of("untracked", UNTRACKED_DATA="1").count(line) == 1
+    assert line not in stderr_of("tracked")

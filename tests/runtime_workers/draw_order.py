@@ -11,7 +11,8 @@
 Every order trains the same batches in the same order. ``ctx.values["seen"]`` lists the
 batches each step trained on (saved and restored with the checkpoint). Environment: CKPT,
 OUT (the final weights, the seen list), ORDER, FAIL_AT (a transient failure after that
-step's optimizer step, once: FAIL_ONCE marks it done).
+step's optimizer step, once: FAIL_ONCE marks it done), UNTRACKED_DATA (the loader is left
+untracked).
 """
 
 from __future__ import annotations
@@ -46,7 +47,10 @@ def train(ctx: rt.Context) -> None:
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)   # per epoch
     data = rt.ResumableLoader(Indexed(), batch_size=BATCH, shuffle=True)
-    ctx.track(model=model, optimizer=opt, sched=sched, data=data)
+    if os.environ.get("UNTRACKED_DATA"):   # a mistake: the position is in no checkpoint
+        ctx.track(model=model, optimizer=opt, sched=sched)
+    else:
+        ctx.track(model=model, optimizer=opt, sched=sched, data=data)
     ctx.values.setdefault("seen", [])
     fail_at = int(os.environ.get("FAIL_AT", "-1"))
     once = Path(os.environ.get("FAIL_ONCE", "/nonexistent/x"))
