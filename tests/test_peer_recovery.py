@@ -528,6 +528,19 @@ def test_a_large_per_rank_state_is_named_once_with_what_makes_it_large(
     assert "its own state" not in outs[1]   # rank 1's is small
 
 
+def test_a_collective_after_opt_step_is_named_once_at_the_first_step(
+        tmp_path: Path) -> None:
+    """A metric all-reduced after opt.step(): a peer lost during it leaves the survivors
+    past their optimizer step, and the recovery goes to storage. The default group's
+    collective count, read when the optimizer step begins and at the step's end, tells:
+    the primary says so at the first step, once; the all-reduces DDP (here, by hand) runs
+    before opt.step() are not named."""
+    outs = early_restore_ranks(tmp_path, POST_COLLECTIVE="1")
+    line = "step 1 ran a collective on the default process group after opt.step()"
+    assert outs[0].count(f"rank 0: {line}") == 1, outs[0]
+    assert "ran a collective" not in early_restore_ranks(tmp_path / "before")[0]
+
+
 def test_a_rank_lost_after_a_skipped_gradscaler_step_leaves_its_copy_with_its_peer(
         tmp_path: Path) -> None:
     """A GradScaler that skips a step (an overflow) never calls the optimizer's step, whose

@@ -75,6 +75,7 @@ class PeerMemory:
     # optimizer step: a process that began from a restore was told so in an earlier one.
     said_changed: bool = False
     said_large: bool = False   # ... that its per-rank state is large to send every step
+    said_collective: bool = False   # ... that a step runs a collective after opt.step()
     replicated: dict[str, Any] | None = None   # the last life's tracked state, at a boundary
     replicated_step: int | None = None
     save_point: tuple[int | None, float] = (None, 0.0)   # last save's (step, time)
@@ -189,6 +190,9 @@ class PeerRing:
         self._take_arrived()
         self._done = step
         buffers = self.writes.boundary()
+        if self.writes.collective_after_step and not self.memory.said_collective:
+            self.memory.said_collective = True
+            _say_collective(self.rank, step)
         early = self._sent_for == step
         same = early and _fingerprint(values, buffers) == self._sent_print
         if same:
@@ -312,6 +316,18 @@ def _say_changed(rank: int, step: int, early: Mapping[str, Any],
 
 
 _NONE = "<not set>"
+
+
+def _say_collective(rank: int, step: int) -> None:
+    """Say, once, that step ``step`` ran a collective after its optimizer step: a peer
+    lost during it leaves every survivor torn (stepwrites.py), and the job goes back to its
+    checkpoint instead of recovering from memory."""
+    (log.warning if rank == 0 else log.info)(
+        "rank %d: step %d ran a collective on the default process group after opt.step() "
+        "(an all-reduce of a metric, a barrier). A peer lost during it leaves the survivors "
+        "past their optimizer step, so the job goes back to its last checkpoint instead "
+        "of recovering from memory: run it before opt.step(), after loss.backward()",
+        rank, step)
 
 
 def _say_large(rank: int, size: int, state: Mapping[str, Any]) -> None:

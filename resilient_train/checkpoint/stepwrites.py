@@ -47,17 +47,24 @@ class StepWrites:
         self._tracked = tracked   # read at each call: a module tracked later counts too
         self._params: int | None = None   # the parameters' version sum at the boundary
         self._stepped = False   # a tracked optimizer's step began since the boundary
+        # The default process group's collectives counted when the last optimizer step
+        # began: one issued after it (a metric's all-reduce) tears a survivor.
+        self._seq_at_step: int | None = None
+        self.collective_after_step = False   # ... in the step the last boundary ended
         # id(buffer) -> (buffer, its value at the boundary)
         self._copies: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def began(self) -> None:
         """A tracked optimizer's step begins (from its step pre-hook: manager.py)."""
         self._stepped = True
+        self._seq_at_step = _default_group_seq()
 
     def boundary(self) -> list[tuple[str, str, torch.Tensor]]:
         """A step ended (or a restore loaded one): keep its buffers' values. Returns the
         persistent buffers, as :func:`persistent_buffers` lists them."""
         self._params, buffers = self._walk()
+        self.collective_after_step = self._stepped and self._seq_at_step is not None and \
+            _default_group_seq() != self._seq_at_step
         self._stepped = False
         copies: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         dst: list[torch.Tensor] = []
@@ -112,6 +119,19 @@ class StepWrites:
                     versions += p._version
             buffers += _persistent(tracked_name, prefix, module)
         return versions, buffers
+
+
+def _default_group_seq() -> int | None:
+    """How many collectives the default process group (the user's and DDP's) has issued;
+    None without one, or where its backend does not count them."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        return None
+    try:
+        return int(dist.distributed_c10d._get_default_group()._get_sequence_number_for_group())
+    except Exception:  # noqa: BLE001 - a backend without sequence numbers: no check
+        return None
 
 
 def _modules(tracked: Mapping[str, Any]) -> Iterator[tuple[str, str, torch.nn.Module]]:

@@ -16,6 +16,8 @@ does), and is lost after its last optimizer step, before that step's end.
 optimizer never steps; rank 1 is lost after its last ``scaler.step()``, before the step's
 end.
 ``LARGE=1``: rank 0 keeps a loss history of 150k floats in its values (1.35 MB).
+``POST_COLLECTIVE=1``: each step all-reduces its loss after ``opt.step()``, as a script
+logging the mean loss does.
 ``EMA=1``: an SWA average of the model (``AveragedModel``, tracked) is updated after each
 optimizer step, which writes its buffer ``n_averaged``; nobody is lost."""
 import logging
@@ -73,6 +75,8 @@ def main() -> None:
             p.grad /= 2
         scaler.step(opt)               # opt.step(), unless it skips
         scaler.update()
+        if os.environ.get("POST_COLLECTIVE"):
+            dist.all_reduce(loss.detach().clone())   # after opt.step(): tears a survivor
         if ema is not None:
             ema.update_parameters(model)   # after opt.step(), as every EMA is
         if skipping and rank == 1 and step + 1 == STEPS:
