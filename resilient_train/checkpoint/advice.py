@@ -32,11 +32,13 @@ class ScriptAdvice:
         # At the first boundary, then at each save: the tracked modules' parameter version
         # sums, the count of optimizer steps, and the step.
         self._params_seen: tuple[dict[str, int], int, int] | None = None
+        self._looked = False   # the life's first boundary is past
 
     def boundary(self, step: int, steps_called: int) -> None:
         """A step boundary. The first one looks at the schedulers and notes the
-        parameters, from where the first save's check starts."""
-        if self._params_seen is None:
+        parameters, from where the first save's check starts; the others cost nothing."""
+        if not self._looked:
+            self._looked = True
             self.saving(step, steps_called)
             self._untracked_scheduler()
 
@@ -82,6 +84,8 @@ class ScriptAdvice:
         """A tracked optimizer that an LR scheduler drives (its param groups carry the
         scheduler's ``initial_lr``) with no tracked object driving it (a scheduler's
         ``.optimizer``, SequentialLR's too): a restart would begin the schedule afresh."""
+        if "untracked scheduler" in _SAID:
+            return
         scheduled = {id(getattr(obj, "optimizer", None)) for obj in self._tracked.values()}
         names = [name for name, obj in self._tracked.items()
                  if isinstance(obj, torch.optim.Optimizer) and id(obj) not in scheduled
