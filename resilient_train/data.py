@@ -33,6 +33,7 @@ import torch.distributed as dist
 from torch.utils.data import DataLoader, Dataset, IterableDataset, Sampler, Subset
 
 from . import forkwatch, sigterm
+from .checkpoint.advice import say_once
 
 __all__ = ["ResumableLoader", "ResumableSampler"]
 
@@ -237,19 +238,15 @@ def _reads_batches(dataset: Any) -> bool:
     return True
 
 
-_SAID_UNTRACKED = False   # once per process: every life would say it again
-
-
 def _say_if_untracked(rank: int) -> None:
     """A ResumableLoader iterated under ``rt.main`` but not tracked: its position is in no
     checkpoint. Said once per process, by rank 0."""
-    global _SAID_UNTRACKED
     from . import runtime  # here: runtime's users import this module
 
-    if _SAID_UNTRACKED or runtime.live_context() is None:
+    if runtime.live_context() is None:
         return
-    _SAID_UNTRACKED = True
-    (log.warning if rank == 0 else log.debug)(
+    say_once(
+        log, "untracked loader", logging.WARNING if rank == 0 else logging.DEBUG,
         "a ResumableLoader is iterated under rt.main but is not tracked: its position "
         "(epoch, samples consumed) is in no checkpoint, so a restart begins its epoch again "
         "and trains on other batches than an uninterrupted run. Track it before the loop: "

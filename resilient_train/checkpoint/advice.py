@@ -22,6 +22,20 @@ log = logging.getLogger(__name__)
 _SAID: set[str] = set()   # per process, across lives
 
 
+def said(key: str) -> bool:
+    """Whether ``key`` was said in this process (a caller whose message costs to build
+    asks first)."""
+    return key in _SAID
+
+
+def say_once(logger: logging.Logger, key: str, level: int, message: str, *args: Any) -> None:
+    """Log ``message`` at ``level`` unless ``key`` was said before in this process (every
+    life of a job would say it again)."""
+    if key not in _SAID:
+        _SAID.add(key)
+        logger.log(level, message, *args)
+
+
 class ScriptAdvice:
     """One life's checks; the manager calls them with the tracked objects and the count
     of tracked optimizer (and GradScaler) steps begun."""
@@ -100,6 +114,5 @@ class ScriptAdvice:
                 ", ".join(names))
 
     def _say(self, key: str, message: str, *args: Any) -> None:
-        if key not in _SAID:
-            _SAID.add(key)
-            (log.warning if self._is_primary else log.debug)(message, *args)
+        say_once(log, key, logging.WARNING if self._is_primary else logging.DEBUG,
+                 message, *args)

@@ -42,6 +42,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from .advice import said, say_once
 from .recovery_plan import Plan, Recovered, Report, carry_out, dumps_rank_state, loads_rank_state
 from .ringlink import Frame, RingLink
 from .state import rng_fingerprint
@@ -74,8 +75,6 @@ class PeerMemory:
     # Whether this process has said (or need not say) that its state changes after its
     # optimizer step: a process that began from a restore was told so in an earlier one.
     said_changed: bool = False
-    said_large: bool = False   # ... that its per-rank state is large to send every step
-    said_collective: bool = False   # ... that a step runs a collective after opt.step()
     replicated: dict[str, Any] | None = None   # the last life's tracked state, at a boundary
     replicated_step: int | None = None
     save_point: tuple[int | None, float] = (None, 0.0)   # last save's (step, time)
@@ -173,8 +172,7 @@ class PeerRing:
             self._early_flags = _LATE if self._late or self._sent_for is None else 0
             state = rank_state()
             self._sent_for, self._sent = step, dumps_rank_state(state)
-            if len(self._sent) > LARGE_RANK_STATE and not self.memory.said_large:
-                self.memory.said_large = True
+            if len(self._sent) > LARGE_RANK_STATE:
                 _say_large(self.rank, len(self._sent), state)
             self._sent_print = _fingerprint(state["values"], _listed(state.get("buffers")),
                                             state["rng"])
@@ -190,8 +188,7 @@ class PeerRing:
         self._take_arrived()
         self._done = step
         buffers = self.writes.boundary()
-        if self.writes.collective_after_step and not self.memory.said_collective:
-            self.memory.said_collective = True
+        if self.writes.collective_after_step:
             _say_collective(self.rank, step)
         early = self._sent_for == step
         same = early and _fingerprint(values, buffers) == self._sent_print
@@ -322,7 +319,8 @@ def _say_collective(rank: int, step: int) -> None:
     """Say, once, that step ``step`` ran a collective after its optimizer step: a peer
     lost during it leaves every survivor torn (stepwrites.py), and the job goes back to its
     checkpoint instead of recovering from memory."""
-    (log.warning if rank == 0 else log.info)(
+    say_once(
+        log, "collective after opt.step()", logging.WARNING if rank == 0 else logging.INFO,
         "rank %d: step %d ran a collective on the default process group after opt.step() "
         "(an all-reduce of a metric, a barrier). A peer lost during it leaves the survivors "
         "past their optimizer step, so the job goes back to its last checkpoint instead "
@@ -333,12 +331,15 @@ def _say_collective(rank: int, step: int) -> None:
 def _say_large(rank: int, size: int, state: Mapping[str, Any]) -> None:
     """Say, once, that this rank's own state is large, and what makes it so: peer
     recovery pickles it and sends it to the next rank at every step."""
+    if said("large rank state"):   # what fills it costs a pickle of every value
+        return
     parts = {f"ctx.values[{k!r}]": len(_pickled(v)) for k, v in state["values"].items()}
     parts.update({f"the buffers of {name}": sum(b.numel() * b.element_size()
                                                 for b in held.values())
                   for name, held in (state.get("buffers") or {}).items()})
     top = sorted(parts.items(), key=lambda kv: -kv[1])[:3]
-    (log.warning if rank == 0 else log.info)(
+    say_once(
+        log, "large rank state", logging.WARNING if rank == 0 else logging.INFO,
         "rank %d: its own state (RNG, ctx.values, buffers) is %.1f MB, mostly %s; peer "
         "recovery pickles it and sends it to the next rank at every step, which costs the "
         "step time in proportion. Keep histories and large data out of ctx.values (write "
