@@ -864,33 +864,21 @@ def refuse_rank_local_state(name: str, obj: Any) -> None:
             "hang). Shard it with FSDP2 instead, torch.distributed.fsdp.fully_shard(model), "
             "whose state is saved sharded and rebuilt from peers "
             '(docs/checkpointing.md, "How a save works")')
-    if isinstance(obj, torch.Generator):
-        raise TypeError(
-            f"ctx.track({name}=...) got a torch.Generator: tracked objects are saved once, "
-            "by the primary, for every rank, and a generator's stream is usually each "
-            "rank's own. Keep its state in ctx.values, which is saved per rank: "
-            f"ctx.values[{name!r}] = {name}.get_state() before opt.step(), and "
-            f"{name}.set_state(ctx.values[{name!r}]) after ctx.restore() when "
-            "ctx.restored_step is set (the global RNGs are saved per rank already)")
     kind = type(obj).__name__
+    if isinstance(obj, torch.Generator):
+        _refuse_generator(name, "a torch.Generator", "in ctx.values, which is saved per rank: "
+                          + _kept(name, f"{name}.get_state()", f"{name}.set_state(VALUE)")
+                          + " (the global RNGs are saved per rank already)")
     if isinstance(obj, random.Random) and not isinstance(obj, random.SystemRandom):
-        raise TypeError(
-            f"ctx.track({name}=...) got a random.Random: tracked objects are saved once, by "
-            "the primary, for every rank, and a generator's stream is usually each rank's "
-            f"own. Keep its state per rank: ctx.values[{name!r}] = {name}.getstate() before "
-            f"opt.step(), and {name}.setstate(ctx.values[{name!r}]) after ctx.restore() when "
-            "ctx.restored_step is set")
+        _refuse_generator(name, "a random.Random", "per rank: " + _kept(
+            name, f"{name}.getstate()", f"{name}.setstate(VALUE)"))
     if type(obj).__module__.startswith("numpy.random") and kind in ("Generator",
                                                                      "RandomState"):
-        keep = (f"ctx.values[{name!r}] = {name}.bit_generator.state before opt.step(), and "
-                f"{name}.bit_generator.state = ctx.values[{name!r}] after ctx.restore() when "
-                "ctx.restored_step is set" if kind == "Generator" else
-                "draw from np.random's global functions (saved per rank already) or from "
-                "np.random.default_rng(), whose state can be kept in ctx.values")
-        raise TypeError(
-            f"ctx.track({name}=...) got a NumPy {kind}: tracked objects are saved once, by "
-            "the primary, for every rank, and a generator's stream is usually each rank's "
-            f"own. Keep its state per rank: {keep}")
+        _refuse_generator(name, f"a NumPy {kind}", "per rank: " + (
+            _kept(name, f"{name}.bit_generator.state", f"{name}.bit_generator.state = VALUE")
+            if kind == "Generator" else
+            "draw from np.random's global functions (saved per rank already) or from "
+            "np.random.default_rng(), whose state can be kept in ctx.values"))
     if kind == "ZeroRedundancyOptimizer":
         raise TypeError(
             f"ctx.track({name}=...) got a ZeroRedundancyOptimizer: each rank holds only its "
@@ -899,6 +887,20 @@ def refuse_rank_local_state(name: str, obj: Any) -> None:
             "optimizer under DDP, or shard the optimizer state with FSDP2 "
             "(fully_shard(model, reshard_after_forward=False) shards it as ZeRO-2 does), "
             "whose state is saved sharded")
+
+
+def _refuse_generator(name: str, what: str, keep: str) -> None:
+    raise TypeError(
+        f"ctx.track({name}=...) got {what}: tracked objects are saved once, by the primary, "
+        f"for every rank, and a generator's stream is usually each rank's own. Keep its "
+        f"state {keep}")
+
+
+def _kept(name: str, get: str, put: str) -> str:
+    """The recipe for keeping a generator's state in ``ctx.values``: ``put`` sets VALUE."""
+    value = f"ctx.values[{name!r}]"
+    return (f"{value} = {get} before opt.step(), and {put.replace('VALUE', value)} after "
+            "ctx.restore() when ctx.restored_step is set")
 
 
 def refuse_stateless(name: str, obj: Any) -> None:
