@@ -287,8 +287,6 @@ class _Sharded(Exception):
     """Raised inside a hand-over: the state holds DTensors (shard_copies.py restores it)."""
 
 
-
-
 class CheckpointManager:
     """Save, keep and restore training state; see the module docstring for its parts."""
 

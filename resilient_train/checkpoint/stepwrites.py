@@ -35,6 +35,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.distributed as dist  # loaded with torch: here it costs nothing per step
 
 log = logging.getLogger(__name__)
 
@@ -124,8 +125,6 @@ class StepWrites:
 def _default_group_seq() -> int | None:
     """How many collectives the default process group (the user's and DDP's) has issued;
     None without one, or where its backend does not count them."""
-    import torch.distributed as dist
-
     if not dist.is_initialized():
         return None
     try:
