@@ -158,6 +158,28 @@ def test_replicated_layout_two_ranks(tmp_path: Path) -> None:
     assert not bitwise_equal(restored[0]["rng_after"], restored[1]["rng_after"])
 
 
+def test_a_replicated_step_resumes_with_fewer_or_more_ranks_and_says_so(
+        tmp_path: Path) -> None:
+    """A job resubmitted with another replica count resumes from the same step: the
+    weights are every rank's; a rank the step had no file for takes rank 0's values, and a
+    rank the job no longer has is named, since its RNG streams and values go nowhere."""
+    for saved_by, restored_by in ((3, 2), (2, 3)):
+        ckpt, out = tmp_path / f"ckpt{saved_by}", tmp_path / f"out{saved_by}"
+        saved = run("replicated_save", saved_by, ckpt, out)
+        restored = run("replicated_restore", restored_by, ckpt, out)
+        for r in restored:
+            assert r["step"] == 3
+            assert bitwise_equal(r["weights"], saved[0]["weights"])
+        assert [r["values"]["position"] for r in restored] == [3, 1003, 3][:restored_by]
+        text = logs(out, "replicated_restore", restored_by)
+        dropped = ("checkpoint step 3 was written by 3 ranks and this job has 2: the RNG "
+                   "states and values of rank 2 are not used")
+        missing = ("checkpoint step 3 was written by 2 ranks and has no file for rank 2: its "
+                   "RNG state stays as it is and the values of rank 0 are used")
+        assert (dropped in text) == (saved_by == 3), text
+        assert (missing in text) == (saved_by == 2), text
+
+
 def test_a_full_disk_on_one_rank_fails_the_save_on_both_and_cleans_up(tmp_path: Path) -> None:
     """Rank 1 runs out of space writing its file: it reports to the primary instead of
     leaving it waiting in the gather, both raise the no-space error, the primary removes

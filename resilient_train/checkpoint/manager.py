@@ -1074,6 +1074,8 @@ class CheckpointManager:
                 else:
                     if mine is None:
                         mine = self._values_of_rank_0(manifest)
+                    if self.is_primary and manifest.world_size > self.world_size:
+                        self._say_ranks_dropped(manifest)
                     return _FromStorage(self._storage_record(step, reason), manifest, name,
                                         shared, mine)
             self.known.bad.add(name)
@@ -1105,6 +1107,16 @@ class CheckpointManager:
                                rank_file(0), manifest)
         self._read_bytes += manifest.files[rank_file(0)].size
         return {"values": theirs["values"]}
+
+    def _say_ranks_dropped(self, manifest: Manifest) -> None:
+        """A step saved by more ranks than this job has: the extra ranks' own state (RNG
+        streams, values, buffers) has no rank to go to. Said once, by the primary."""
+        first, last = self.world_size, manifest.world_size - 1
+        ranks = f"rank {first}" if first == last else f"ranks {first}-{last}"
+        log.warning("checkpoint step %d was written by %d ranks and this job has %d: the "
+                    "RNG states and values of %s are not used (the tracked objects and a "
+                    "ResumableLoader's position do not depend on the world size)",
+                    manifest.step, manifest.world_size, self.world_size, ranks)
 
     def _warn_uncommitted(self, infos: list[StepInfo]) -> None:
         """Name each step directory newer than the newest commit that has no marker: restore
