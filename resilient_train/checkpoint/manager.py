@@ -37,7 +37,7 @@ from .. import __version__
 from ..errors import Classification, PermanentError, TransientError, classify_exception
 from ..validate import NONE, expect_type
 from . import shard_copies
-from .advice import ScriptAdvice
+from .advice import ScriptAdvice, say_once
 from .commit import committer_for, remove_crashed_saves
 from .coordination import Coordinator, default_coordinator
 from .directory import (
@@ -67,6 +67,7 @@ from .manifest import (
     manifest_entry,
 )
 from .nodelocal import LocalTier, NodeLocal, PersistentCadence
+from .overrides import describe, overridden
 from .peers import PeerMemory, PeerRing, process_memory
 from .policy import (
     FOUR_HOURS,
@@ -1215,7 +1216,11 @@ class CheckpointManager:
         """Load a replicated tree into the tracked objects (None: already loaded, sharded)
         and a per-rank tree into the RNGs (when it has them) and ``values``."""
         if shared is not None:
+            replaced = overridden(self._tracked, shared) if self.is_primary else []
             restore(self._tracked, shared, strict=strict)
+            if replaced:   # every life of the job would say it again
+                say_once(log, "overridden " + "; ".join(replaced), logging.WARNING,
+                         "%s", describe(replaced))
         if "rng" in mine:
             restore_rng(mine["rng"])
         if mine.get("buffers"):
