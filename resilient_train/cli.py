@@ -282,6 +282,43 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.WARNING,
                         format="%(levelname)s %(name)s: %(message)s")
+    try:
+        return _dispatch(args, parser)
+    except BrokenPipeError:   # `resilient-train status ... | head`: the reader has enough
+        _drop_stdout()
+        return 1
+
+
+def _drop_stdout() -> None:
+    """stdout's reader went away: what is printed from now on goes nowhere, instead of
+    raising at each print and at exit (Python's recipe, in the docs of ``signal``)."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    os.close(devnull)
+
+
+class _Output:
+    """The launcher's output on stdout. A reader that goes away (``| head``, a ``tee``
+    that was killed) does not stop the job: the workers train on, their logs and the
+    job's record are written as before, and one line on stderr says so."""
+
+    def __init__(self, job_dir: Path) -> None:
+        self._job_dir = job_dir
+
+    def line(self, text: str) -> None:
+        try:
+            print(text, flush=True)
+        except BrokenPipeError:
+            _drop_stdout()
+            try:
+                print(f"resilient-train launch: the output's reader went away; the job "
+                      f"goes on, its logs and record in {self._job_dir}", file=sys.stderr,
+                      flush=True)
+            except OSError:
+                pass   # stderr went with it (2>&1)
+
+
+def _dispatch(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     if args.cmd == "launch":
         return _launch(args, parser)
     if args.cmd == "export":
@@ -339,19 +376,19 @@ def _launch(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     try:
         spec = load_job_spec(args.job_spec) if args.job_spec is not None else None
         options, notes = _options(args, tuple(command), spec)
-        launcher = Launcher(options, echo=lambda line: print(line, flush=True),
-                            echo_workers=not args.quiet)
+        out = _Output(options.job_dir)
+        launcher = Launcher(options, echo=out.line, echo_workers=not args.quiet)
     except (LaunchError, ChaosSpecError, PolicyError, JobSpecError, ValueError) as exc:
         print(f"resilient-train launch: error: {exc}", file=sys.stderr)
         return EXIT_USAGE
     for note in notes:
-        print(f"job spec: {note}", flush=True)
+        out.line(f"job spec: {note}")
     fuse = fuse_path_note(options.output_dir)
     if fuse is not None:
-        print(fuse, flush=True)
-    print(f"job {options.job_name}: directory {options.job_dir}", flush=True)
+        out.line(fuse)
+    out.line(f"job {options.job_name}: directory {options.job_dir}")
     if launcher.scalars is not None:
-        print(launcher.scalars.describe(), flush=True)
+        out.line(launcher.scalars.describe())
     try:
         status = launcher.run()
     except Exception as exc:  # noqa: BLE001 - the launcher failed; it logged the traceback
@@ -362,17 +399,17 @@ def _launch(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     # The final state is the last event line above; the error's whole message (the
     # events show its first line) follows it once.
     if record.error is not None:
-        print(f"error {record.error.code}: {record.error.message}", flush=True)
+        out.line(f"error {record.error.code}: {record.error.message}")
     unfired = launcher.unfired_faults()
     for fault in unfired:
-        print(f"chaos: {fault.spec} never fired: {fault.why}"
-              + (f" ({fault.fired} of {fault.count} fired)" if fault.random and fault.count
-                 else ""), flush=True)
+        out.line(f"chaos: {fault.spec} never fired: {fault.why}"
+                 + (f" ({fault.fired} of {fault.count} fired)" if fault.random and fault.count
+                    else ""))
     if status == STATUS_FAULT_NOT_FIRED:
-        print(f"the job succeeded, but {sum(not f.random for f in unfired)} of its faults "
-              f"never fired: the resilience test did not happen (exit status "
-              f"{STATUS_FAULT_NOT_FIRED})", flush=True)
-    print(f"job record: {options.job_dir / 'job.json'} (exit status {status})", flush=True)
+        out.line(f"the job succeeded, but {sum(not f.random for f in unfired)} of its faults "
+                 f"never fired: the resilience test did not happen (exit status "
+                 f"{STATUS_FAULT_NOT_FIRED})")
+    out.line(f"job record: {options.job_dir / 'job.json'} (exit status {status})")
     return status
 
 

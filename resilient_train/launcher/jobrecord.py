@@ -128,13 +128,14 @@ class JobRecord:
         recovered = self._update_recoveries(force or new_events or self._machine.state.terminal)
         if not new_events and not recovered and not force:
             return
+        # The record first: an output that fails (a closed pipe) must not lose it.
+        write_json_atomic(self.job_dir / JOB_FILE, self.to_json())
+        self._update_failure_log()
         for event in events[self._printed:]:
             when = self._machine.create_time + event.elapsed_s
             stamp = time.strftime("%H:%M:%S", time.localtime(when))
             self._echo(f"{stamp} [launcher] {event.message}")
         self._printed = len(events)
-        write_json_atomic(self.job_dir / JOB_FILE, self.to_json())
-        self._update_failure_log()
 
     def to_json(self) -> dict[str, Any]:
         m = self._machine
