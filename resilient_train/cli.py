@@ -298,9 +298,10 @@ def _drop_stdout() -> None:
 
 
 class _Output:
-    """The launcher's output on stdout. A reader that goes away (``| head``, a ``tee``
-    that was killed) does not stop the job: the workers train on, their logs and the
-    job's record are written as before, and one line on stderr says so."""
+    """The launcher's output on stdout. An output that cannot be written any more (a
+    pipe whose reader went away: ``| head``, a ``tee`` that was killed; a terminal that
+    closed) does not stop the job: the workers train on, their logs and the job's record
+    are written as before, and one line on stderr says so."""
 
     def __init__(self, job_dir: Path) -> None:
         self._job_dir = job_dir
@@ -308,12 +309,12 @@ class _Output:
     def line(self, text: str) -> None:
         try:
             print(text, flush=True)
-        except BrokenPipeError:
+        except OSError as exc:   # EPIPE; EIO from a terminal that hung up
             _drop_stdout()
             try:
-                print(f"resilient-train launch: the output's reader went away; the job "
-                      f"goes on, its logs and record in {self._job_dir}", file=sys.stderr,
-                      flush=True)
+                print(f"resilient-train launch: stdout cannot be written "
+                      f"({exc.strerror or exc}); the job goes on, its logs and record in "
+                      f"{self._job_dir}", file=sys.stderr, flush=True)
             except OSError:
                 pass   # stderr went with it (2>&1)
 

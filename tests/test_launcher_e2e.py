@@ -658,12 +658,12 @@ def test_a_launcher_failure_stops_the_workers_and_records_an_internal_error(
 
 # --------------------------------------------------------------------------- the launcher process
 
-@pytest.mark.parametrize("how", ["SIGINT", "SIGTERM", "SIGINT-twice"])
+@pytest.mark.parametrize("how", ["SIGINT", "SIGTERM", "SIGHUP", "SIGINT-twice"])
 def test_a_signal_to_the_launcher_cancels_the_job(e2e: E2E, how: str) -> None:
     # Twice: the workers ignore SIGTERM and the grace period is long; the second Ctrl-C
-    # kills them at once.
+    # kills them at once. SIGHUP: the launcher's terminal closed.
     twice = how == "SIGINT-twice"
-    sig = signal.SIGTERM if how == "SIGTERM" else signal.SIGINT
+    sig = signal.SIGINT if twice else getattr(signal, how)
     started = time.monotonic()
     proc, out = e2e.spawn("--workers", "2", "--grace", "60s" if twice else "5s",
                           script="ignore_term.py" if twice else "hang.py")

@@ -568,9 +568,12 @@ class Launcher:
             self._cancel_signal = signal.Signals(signum).name
             self._cancel_requests += 1
 
-        old = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGCHLD)}
-        signal.signal(signal.SIGINT, on_cancel)
-        signal.signal(signal.SIGTERM, on_cancel)
+        # SIGHUP: the terminal closed (an ssh session dropped). Without it the launcher
+        # died at once, its workers with it and no emergency save, the record RUNNING.
+        cancels = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+        old = {s: signal.getsignal(s) for s in (*cancels, signal.SIGCHLD)}
+        for s in cancels:
+            signal.signal(s, on_cancel)
         signal.signal(signal.SIGCHLD, lambda *_: None)
         old_fd = signal.set_wakeup_fd(self._wake_w, warn_on_full_buffer=False)
 
