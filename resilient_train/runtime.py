@@ -259,6 +259,13 @@ class Context:
         step the first ended at."""
         self.restore()
         start = self.step
+        if start >= total and start == self.restored_step and self.is_primary:
+            # A finished job run again, or a total left as it was: the loop does nothing.
+            from .checkpoint.advice import say_once
+
+            say_once(log, f"no step left {total} {start}", logging.WARNING,
+                     "ctx.steps(%d) has no step left to run: the checkpoint restored is of "
+                     "step %d (raise the total to train on)", total, start)
         mgr, group, tele = self.checkpoints, self.group, _telemetry()
         if tele is not None:
             tele.begin_segment(start, self.rank)   # the launcher's goodput (telemetry.py)

@@ -254,3 +254,16 @@ def test_a_resumable_loader_left_untracked_is_named_once(tmp_path: Path) -> None
     line = "a ResumableLoader is iterated under rt.main but is not tracked"
     assert stderr_of("untracked", UNTRACKED_DATA="1").count(line) == 1
     assert line not in stderr_of("tracked")
+
+
+def test_a_finished_job_run_again_says_it_has_no_step_left(tmp_path: Path) -> None:
+    """The loop of a job whose checkpoint is at its total runs no step; one line says so
+    (a rerun of a finished job, or a total not raised to train on)."""
+    first = run(tmp_path, "job", STEPS="10")
+    assert first.returncode == 0, first.stderr[-2000:]
+    assert "no step left" not in first.stderr
+    again = run(tmp_path, "job", STEPS="10")
+    assert again.returncode == 0, again.stderr[-2000:]
+    assert "restored_step=10 data_position=10" in again.stdout
+    assert ("ctx.steps(10) has no step left to run: the checkpoint restored is of step 10 "
+            "(raise the total to train on)") in again.stderr
