@@ -269,8 +269,20 @@ def test_relative_job_and_output_dirs_reach_workers_as_absolute_paths(e2e: E2E) 
     assert env["AIP_CHECKPOINT_DIR"] == f"{e2e.tmp.resolve()}/out/base/checkpoints/"
 
 
+def fake_user_credentials(tmp_path: Path) -> Path:
+    """What `gcloud auth application-default login` writes (never used to call Google
+    here: the workers only dump their environment)."""
+    path = tmp_path / "adc.json"
+    path.write_text(json.dumps({"type": "authorized_user", "client_id": "e2e.apps",
+                                "client_secret": "e2e", "refresh_token": "e2e"}))
+    return path
+
+
 def test_environment_of_explicit_pools_with_gs_output(e2e: E2E) -> None:
     e2e.monkeypatch.setenv("RESILIENT_TRAIN_GPUS", "4")  # GPUs exist, the job asks for none
+    e2e.monkeypatch.setenv("GOOGLE_APPLICATION_CREDENTIALS",
+                           str(fake_user_credentials(e2e.tmp)))
+    e2e.monkeypatch.delenv("STORAGE_EMULATOR_HOST", raising=False)
     names = [PRIMARY, "workerpool1-0", "workerpool1-1", "workerpool2-0", "workerpool3-0"]
     e2e.primary_waits_for(*(f"{n}.a1.r0.env" for n in names[1:]))
     status, rec, _ = e2e.launch(
@@ -950,3 +962,26 @@ def test_status_of_a_missing_job_dir_fails_clearly(e2e: E2E) -> None:
     err = e2e.capsys.readouterr().err
     assert err.startswith("resilient-train status: error: no job record at ")
     assert str(missing) in err
+
+
+def test_a_gs_output_without_credentials_is_refused_before_anything_starts(
+        tmp_path: Path) -> None:
+    """No credentials and no emulator: every write under the gs:// output would fail
+    (where the network is down, only after minutes of retries per attempt). The launch
+    is refused at once, naming the fixes, and leaves no job directory."""
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("GOOGLE_APPLICATION_CREDENTIALS", "STORAGE_EMULATOR_HOST")}
+    # No gcloud configuration, and not a GCE VM's metadata server (CI may run on one).
+    env.update(HOME=str(tmp_path), CLOUDSDK_CONFIG=str(tmp_path / "gcloud"),
+               NO_GCE_CHECK="true", RESILIENT_TRAIN_QUOTA_DIR=str(tmp_path / "quota"))
+    job_dir = tmp_path / "job"
+    done = subprocess.run(
+        [sys.executable, "-m", "resilient_train.cli", "launch", "--job-dir", str(job_dir),
+         "--output-dir", "gs://e2e-bucket/run", "--", sys.executable, "-c", "pass"],
+        env=env, capture_output=True, text=True, timeout=60, cwd=tmp_path)
+    assert done.returncode == 2, done.stderr
+    assert ("the job's outputs and checkpoints go to gs://e2e-bucket/run, but this machine "
+            "has no Google Cloud credentials") in done.stderr
+    assert "gcloud auth application-default login" in done.stderr
+    assert "--output-dir DIR to keep this run local" in done.stderr
+    assert not job_dir.exists()

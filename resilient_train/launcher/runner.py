@@ -69,6 +69,7 @@ from .workerenv import (
     JobEnv,
     Replica,
     create_output_dirs,
+    gcs_credentials_problem,
     replicas_for,
     tensorboard_log_dir,
     worker_env,
@@ -214,6 +215,9 @@ class Launcher:
                           cpu_slots=options.cpu_slots)
         self.capacity = CapacityLease(quota, request, options.job_name, self.machine,
                                       self.echo, self._execute)
+        problem = gcs_credentials_problem(self.env.output_base, options.env)
+        if problem is not None:
+            raise LaunchError(problem)
         # Last of the checks, so that a bad option leaves no empty job directory behind.
         self._prepare_job_dir()
         try:

@@ -110,6 +110,31 @@ def fuse_path_note(output: str | None) -> str | None:
             f"itself use gs://{'/'.join(parts[1:])}")
 
 
+def gcs_credentials_problem(output: str, environ: Mapping[str, str]) -> str | None:
+    """Why every write under a ``gs://`` output would fail here, or None: no Google Cloud
+    credentials on this machine (no emulator in ``STORAGE_EMULATOR_HOST`` either). gcsfs
+    then falls back to anonymous access, and the workers find out at their first write,
+    after minutes of retries where the network is down; on the platform the job's service
+    account is always there."""
+    if not output.startswith("gs://") or environ.get("STORAGE_EMULATOR_HOST", "") not in (
+            "", "default"):
+        return None
+    try:
+        import google.auth
+        from google.auth.exceptions import DefaultCredentialsError
+    except ImportError:   # gcsfs brings it; without gcsfs the worker's error says more
+        return None
+    try:
+        google.auth.default()
+    except DefaultCredentialsError:
+        return (f"the job's outputs and checkpoints go to {output}, but this machine has no "
+                f"Google Cloud credentials (Application Default Credentials not found), so "
+                f"every write there would fail: run `gcloud auth application-default "
+                f"login`, or set GOOGLE_APPLICATION_CREDENTIALS to a key file; or pass "
+                f"--output-dir DIR to keep this run local")
+    return None
+
+
 def worker_env(job: JobEnv, replica: Replica, *, attempt: int, restart: int,
                error_file: str, gpu_ids: Sequence[int] | None,
                base: Mapping[str, str], telemetry: str = "", failures_file: str = "",
