@@ -239,3 +239,44 @@ def test_an_lr_scheduler_left_untracked_is_named_once(tmp_path: Path) -> None:
     assert "LR scheduler" not in first_step_log(tmp_path / "tracked", track_sched=True)
     assert "LR scheduler" not in first_step_log(tmp_path / "seq", track_sched=True,
                                                 sequential=True)
+
+
+def test_a_model_left_untracked_is_named_once(tmp_path: Path) -> None:
+    """Nothing tracked, or only the optimizer: every checkpoint holds the step count but
+    not the weights, so a restart would resume the count with the model as built. Said at
+    the first step; not when a module, or an object of the script's own with a
+    state_dict, holds the weights."""
+    from resilient_train import CheckpointManager
+
+    class Weights:   # the script's own holder of its weights
+        def __init__(self, model: nn.Module) -> None:
+            self.model = model
+
+        def state_dict(self) -> dict[str, Any]:
+            return self.model.state_dict()
+
+        def load_state_dict(self, sd: dict[str, Any]) -> None:
+            self.model.load_state_dict(sd)
+
+    def first_step_log(tmp: Path, which: str) -> str:
+        model = nn.Linear(4, 1)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        tracked = {"none": {}, "opt": {"optimizer": opt},
+                   "model": {"model": model, "optimizer": opt},
+                   "own": {"weights": Weights(model), "optimizer": opt}}[which]
+        with _told("untracked model") as told, CheckpointManager(tmp / "ckpt") as mgr:
+            mgr.track(**tracked)
+            for step in range(2):
+                model(torch.randn(8, 4)).pow(2).mean().backward()
+                opt.step()
+                mgr.maybe_save(step + 1)
+        return "\n".join(told)
+
+    log = first_step_log(tmp_path / "none", "none")
+    assert log.count("no model is tracked") == 1, log
+    assert "no model is tracked (nothing tracked): every checkpoint holds the step count" in log
+    assert "ctx.track(model=model, optimizer=opt)" in log
+    assert "no model is tracked (only optimizer tracked)" in first_step_log(
+        tmp_path / "opt", "opt")
+    for which in ("model", "own"):
+        assert "no model" not in first_step_log(tmp_path / which, which)

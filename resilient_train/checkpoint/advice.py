@@ -1,8 +1,9 @@
 """What a training script does that a restart would not reproduce, said once.
 
-A restart resumes exactly only from what the checkpoint holds. Three mistakes leave
+A restart resumes exactly only from what the checkpoint holds. Four mistakes leave
 something out of it without any error: gradients accumulated across ``ctx.steps`` steps
-(gradients are not saved), an optimizer left untracked (its momentum, Adam's moments),
+(gradients are not saved), the model left untracked (a restart keeps the step count and
+begins the weights afresh), an optimizer left untracked (its momentum, Adam's moments),
 an LR scheduler left untracked (its schedule begins again). :class:`ScriptAdvice` looks
 for each at the step boundaries and saves the manager reports, from the tracked objects,
 and names the fix. The primary says it (every rank steps alike); each once per process,
@@ -55,6 +56,7 @@ class ScriptAdvice:
             self._looked = True
             self.saving(step, steps_called)
             self._untracked_scheduler()
+            self._untracked_model()
 
     def saving(self, step: int, steps_called: int) -> None:
         """A save of ``step``: the parameters changed since the last look with no tracked
@@ -112,6 +114,28 @@ class ScriptAdvice:
                 "(a warmup again, or the full rate after a decay) and the run would not "
                 "resume exactly. Track it too: ctx.track(..., sched=scheduler)",
                 ", ".join(names))
+
+    def _untracked_model(self) -> None:
+        """No tracked object holds weights (a module, or an object of the script's own
+        with a state_dict): a restart would resume the step count, the RNGs and the
+        values, with the model as built, not as trained."""
+        from ..data import ResumableLoader   # data imports this module
+
+        sched = torch.optim.lr_scheduler
+        aside = (torch.optim.Optimizer, sched.LRScheduler, sched.ReduceLROnPlateau,
+                 torch.amp.GradScaler, ResumableLoader)
+        if any(isinstance(obj, torch.nn.Module)
+               or (callable(getattr(obj, "state_dict", None)) and not isinstance(obj, aside))
+               for obj in self._tracked.values()):
+            return
+        what = (f"only {', '.join(self._tracked)} tracked" if self._tracked
+                else "nothing tracked")
+        self._say(
+            "untracked model",
+            "no model is tracked (%s): every checkpoint holds the step count, the RNG "
+            "states and ctx.values, but not the weights, so a restart resumes the step "
+            "count with the model as built, not as trained. Track it before the loop: "
+            "ctx.track(model=model, optimizer=opt)", what)
 
     def _say(self, key: str, message: str, *args: Any) -> None:
         say_once(log, key, logging.WARNING if self._is_primary else logging.DEBUG,
