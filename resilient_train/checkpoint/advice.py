@@ -119,7 +119,7 @@ class ScriptAdvice:
         """No tracked object holds weights (a module, or an object of the script's own
         with a state_dict): a restart would resume the step count, the RNGs and the
         values, with the model as built, not as trained."""
-        from ..data import ResumableLoader   # data imports this module
+        from ..data import ResumableLoader  # data imports this module
 
         sched = torch.optim.lr_scheduler
         aside = (torch.optim.Optimizer, sched.LRScheduler, sched.ReduceLROnPlateau,
