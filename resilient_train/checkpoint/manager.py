@@ -100,6 +100,7 @@ from .state import (
 from .stepwrites import StepWrites, before_each_call, current_buffers, put_buffers
 from .storage import RetryOptions, Storage, format_bytes, free_bytes, is_no_space
 from .writer import RankFailure, StepWriter, WriterThread
+from .writers import WriterWatch
 
 log = logging.getLogger(__name__)
 
@@ -304,6 +305,7 @@ class CheckpointManager:
         self.coord = coordinator or default_coordinator()
         self.rank, self.world_size = self.coord.rank, self.coord.world_size
         self.is_primary = self.rank == 0
+        self._writers = WriterWatch(self.storage.url, self.options.storage_options)
         self.scheduler = SaveScheduler(self.options.save_policy(), self.coord, watch,
                                        clock=clock,
                                        sync_interval_s=self.options.sync_interval_s)
@@ -870,6 +872,7 @@ class CheckpointManager:
         self.last_commit_step = step
         self.known.commit(committed_as)
         log.info("checkpoint step %d committed to %s", step, self.storage.url_of(committed_as))
+        self._writers.committed(step)
 
     # --- what to keep -----------------------------------------------------------------
 
@@ -1058,6 +1061,7 @@ class CheckpointManager:
             [(i.step, i.name) for i in infos if i.committed] if self.is_primary else None)
         if self.is_primary:
             self._warn_uncommitted(infos)
+            self._writers.looked()
         problems: list[str] = []
         for step, name in sorted(names, reverse=True):
             loaded: tuple[Manifest, dict[str, Any], dict[str, Any] | None] | None = None
