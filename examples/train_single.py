@@ -1,12 +1,14 @@
 """The smallest complete example: one process, one decorator, exact resume.
 
-    python examples/train_single.py                 # Ctrl-C or kill it, run it again: it resumes
+    python examples/train_single.py                 # Ctrl-C (it saves) or kill it, run it
+                                                    # again: it resumes
     python examples/train_single.py --steps 4000    # train further from the last checkpoint
 
 It fits a small network to a function of generated data (no download). Checkpoints go to
-./checkpoints (or AIP_CHECKPOINT_DIR): every 200 steps, at most every 4 hours, on SIGTERM,
-and at the end. A rerun restores the weights, the optimizer, the RNG states and the
-position in the shuffled data, and continues exactly where the last checkpoint was taken.
+./checkpoints (or AIP_CHECKPOINT_DIR): every 200 steps, at most every 4 hours, on
+SIGTERM or a first Ctrl-C, and at the end. A rerun restores the weights, the optimizer,
+the RNG states and the position in the shuffled data, and continues exactly where the
+last checkpoint was taken.
 """
 
 from __future__ import annotations

@@ -471,6 +471,22 @@ def _live(ctx: Context, fn: Callable[..., R], args: tuple[Any, ...],
     return result
 
 
+# Set where a launcher, the platform or torchrun runs the process: Ctrl-C is theirs then
+# (the launcher's own cancel sends SIGTERM; torchrun's agent too).
+_SUPERVISED_ENV = ("CLUSTER_SPEC", "TF_CONFIG", "CLOUD_ML_JOB_ID", "TORCHELASTIC_RUN_ID",
+                   "RANK", "WORLD_SIZE")
+
+
+def _alone_at_a_terminal(group: Any) -> bool:
+    """A single process started by hand at a terminal (not a notebook's kernel, whose
+    interrupt is a SIGINT too, nor a process a launcher supervises)."""
+    try:
+        tty = sys.stdin is not None and sys.stdin.isatty()
+    except (AttributeError, ValueError):   # replaced or closed
+        tty = False
+    return tty and group.world_size == 1 and not any(v in os.environ for v in _SUPERVISED_ENV)
+
+
 def main(fn: Callable[..., R] | None = None, *,
          options: MainOptions | None = None) -> Any:
     """Decorate ``def train(ctx: rt.Context, ...)``; use as ``@rt.main`` or
@@ -485,10 +501,11 @@ def main(fn: Callable[..., R] | None = None, *,
 
             # SIGTERM before the checkpoint manager exists (forming the group) or between
             # two lives (re-forming it): the waits for peers leave, with exit 134.
-            with sigterm.noted(bool(opts.checkpoint_options().save_on_sigterm)):
+            saves = bool(opts.checkpoint_options().save_on_sigterm)
+            with sigterm.noted(saves):
                 group = init_distributed(opts.distributed)
                 try:
-                    with group:
+                    with group, sigterm.ctrl_c_saves(saves and _alone_at_a_terminal(group)):
                         return group.run(_life, func, group, opts, args, kwargs)
                 finally:
                     tele = _telemetry()

@@ -243,6 +243,34 @@ def noted(enabled: bool = True) -> Iterator[None]:
             signal.signal(signal.SIGTERM, signal.SIG_DFL if previous is None else previous)
 
 
+@contextlib.contextmanager
+def ctrl_c_saves(enabled: bool = True) -> Iterator[None]:
+    """A run on its own at a terminal (``python train.py``): the first Ctrl-C asks for what
+    a SIGTERM asks (an emergency checkpoint at the end of the step, then exit 134), so that
+    a run stopped by hand loses no step; a second one stops at once, as Ctrl-C does
+    without this (KeyboardInterrupt). Main thread only; elsewhere nothing changes."""
+    if not enabled or threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    pressed = 0
+
+    def on_sigint(signum: int, frame: FrameType | None) -> None:
+        nonlocal pressed
+        pressed += 1
+        if pressed > 1:
+            raise KeyboardInterrupt
+        logger.warning("Ctrl-C: saving a checkpoint at the end of this step, then stopping "
+                       "(Ctrl-C again to stop at once)")
+        os.kill(os.getpid(), signal.SIGTERM)   # the one path of a stop: the SIGTERM's
+
+    previous = signal.signal(signal.SIGINT, on_sigint)
+    try:
+        yield
+    finally:
+        if signal.getsignal(signal.SIGINT) is on_sigint:   # not if someone took it over
+            signal.signal(signal.SIGINT, previous)
+
+
 # How long a wait that cannot end by itself (a collective whose peer may be frozen) may go
 # on after a SIGTERM before the process stops waiting and leaves.
 STALL_S = 5.0

@@ -267,3 +267,56 @@ def test_a_finished_job_run_again_says_it_has_no_step_left(tmp_path: Path) -> No
     assert "restored_step=10 data_position=10" in again.stdout
     assert ("ctx.steps(10) has no step left to run: the checkpoint restored is of step 10 "
             "(raise the total to train on)") in again.stderr
+
+
+def _at_a_terminal(tmp: Path, name: str, presses: int,
+                   pause_s: float) -> tuple[int, str, list[str]]:
+    """train_simple.py started by hand at a terminal (stdin a pty), pressed Ctrl-C
+    ``presses`` times once its first checkpoint exists (step 5), inside step 6, which
+    lasts ``pause_s``: exit status, stderr, the steps committed."""
+    import pty
+    import signal
+    import time
+
+    ckpt = tmp / name / "ckpt"
+    env = outside_env()
+    env.update(CKPT=str(ckpt), OUT=str(tmp / name / "final.pt"), STEPS="1000",
+               STEP_S="0.05", PAUSE_AT="6", PAUSE_S=str(pause_s),
+               TORCHELASTIC_ERROR_FILE=str(tmp / name / "r.json"))
+    for var in ("CLOUD_ML_JOB_ID", "TORCHELASTIC_RUN_ID"):
+        env.pop(var, None)
+    controller, terminal = pty.openpty()
+    try:
+        proc = subprocess.Popen([sys.executable, str(SCRIPT)], env=env, stdin=terminal,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        deadline = time.monotonic() + 60
+        while not (ckpt / "step-000000000005" / "COMMITTED").exists():
+            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+            time.sleep(0.05)
+        time.sleep(0.3)   # into step 6's pause
+        for _ in range(presses):
+            proc.send_signal(signal.SIGINT)
+            time.sleep(0.3)   # the handler has run: the next press is a second one
+        _, err = proc.communicate(timeout=200)
+    finally:
+        os.close(controller)
+        os.close(terminal)
+    return proc.returncode, err, sorted(p.name for p in ckpt.iterdir() if p.is_dir())
+
+
+@pytest.mark.slow
+def test_ctrl_c_at_a_terminal_saves_the_step_and_twice_stops_at_once(tmp_path: Path) -> None:
+    """A run started by hand: the first Ctrl-C saves the step it is in as a SIGTERM would
+    (at the end of step 6, a pause of 2 s), so a rerun loses nothing; a second one stops
+    at once (inside a pause of 120 s), as Ctrl-C does in Python."""
+    code, err, steps = _at_a_terminal(tmp_path, "twice", presses=2, pause_s=120)
+    assert code != 134 and "KeyboardInterrupt" in err, err[-2000:]
+    assert "Ctrl-C: saving a checkpoint at the end of this step, then stopping" in err
+    assert "emergency checkpoint" not in err and steps == ["step-000000000005"], steps
+
+    code, err, steps = _at_a_terminal(tmp_path, "once", presses=1, pause_s=2)
+    assert code == 134, err[-2000:]
+    assert "SIGTERM: emergency checkpoint of step 7 committed" in err, err[-2000:]
+    assert steps == ["step-000000000005", "step-000000000007"], steps
+    again = run(tmp_path, "once", STEPS="9")   # the rerun: from that step
+    assert again.returncode == 0 and "restored_step=7 " in again.stdout, again.stderr
