@@ -62,6 +62,12 @@ def test_an_edited_weight_decay_and_schedule_are_named_and_the_checkpoints_win(
     assert "set them after ctx.restore()" in said[0]
     # What torch does, and what the line says: the checkpoint's settings are in force.
     assert opt.param_groups[0]["weight_decay"] == 0.1 and sched.T_max == 100
+    # Once per setting in a process: the next life (here with other values, as a script
+    # that sets its weight decay by hand each step has) does not say it again.
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger=LOGGER):
+        run(tmp_path, cosine(wd=0.02, t_max=300), steps=0)
+    assert "settings replace" not in caplog.text
 
 
 def test_an_unchanged_script_is_not_named_although_its_rates_moved(
@@ -95,9 +101,9 @@ def test_chained_schedules_grouped_params_and_milestones_are_compared() -> None:
 
     _, saved = state(t_max=50, milestones=[10, 20], wd=0.0)
     tracked, _ = state(t_max=80, milestones=[10, 30], wd=0.0)
-    assert overridden(tracked, saved) == [
+    assert list(map(str, overridden(tracked, saved))) == [
         "schedule: _schedulers[1].T_max 50 (the script's 80)",
         "decay: milestones Counter({10: 1, 20: 1}) (the script's Counter({10: 1, 30: 1}))"]
     tracked, _ = state(t_max=50, milestones=[10, 20], wd=0.5)
-    assert overridden(tracked, saved) == [
+    assert list(map(str, overridden(tracked, saved))) == [
         "optimizer: param group 1 weight_decay 0.0 (the script's 0.5)"]

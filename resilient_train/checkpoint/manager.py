@@ -1222,9 +1222,10 @@ class CheckpointManager:
         if shared is not None:
             replaced = overridden(self._tracked, shared) if self.is_primary else []
             restore(self._tracked, shared, strict=strict)
-            if replaced:   # every life of the job would say it again
-                say_once(log, "overridden " + "; ".join(replaced), logging.WARNING,
-                         "%s", describe(replaced))
+            if replaced:   # once per setting: every life would say it again, and a
+                # script that sets one by hand each step (a weight decay schedule) too
+                say_once(log, "overridden " + "; ".join(r.what for r in replaced),
+                         logging.WARNING, "%s", describe(replaced))
         if "rng" in mine:
             restore_rng(mine["rng"])
         if mine.get("buffers"):

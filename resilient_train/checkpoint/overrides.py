@@ -15,6 +15,7 @@ writes it every step; a scheduler's base rate is ``initial_lr``), the momentum t
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -31,10 +32,23 @@ _MAX_LISTED = 5
 _MAX_REPR = 60
 
 
-def overridden(tracked: Mapping[str, Any], state: Mapping[str, Any]) -> list[str]:
-    """``"name: key checkpoint (the script's live)"`` for each setting of a tracked
-    optimizer or LR scheduler that loading ``state`` (collect()'s tree) would replace."""
-    found: list[str] = []
+@dataclass(frozen=True)
+class Replaced:
+    """A setting that a restore replaces: where it is (``"optimizer: weight_decay"``),
+    the checkpoint's value and the script's."""
+
+    what: str
+    saved: str
+    live: str
+
+    def __str__(self) -> str:
+        return f"{self.what} {self.saved} (the script's {self.live})"
+
+
+def overridden(tracked: Mapping[str, Any], state: Mapping[str, Any]) -> list[Replaced]:
+    """Each setting of a tracked optimizer or LR scheduler that loading ``state``
+    (collect()'s tree) would replace."""
+    found: list[Replaced] = []
     for name, obj in tracked.items():
         saved = state.get(name)
         if not isinstance(saved, Mapping):
@@ -46,10 +60,11 @@ def overridden(tracked: Mapping[str, Any], state: Mapping[str, Any]) -> list[str
     return found
 
 
-def describe(found: list[str]) -> str:
+def describe(found: list[Replaced]) -> str:
     """One line for the log."""
     more = len(found) - _MAX_LISTED
-    listed = "; ".join(found[:_MAX_LISTED]) + (f"; and {more} more" if more > 0 else "")
+    listed = "; ".join(map(str, found[:_MAX_LISTED])) + (
+        f"; and {more} more" if more > 0 else "")
     return ("restore: the checkpoint's settings replace the script's, as load_state_dict "
             f"does: {listed}. To train on with the script's, set them after ctx.restore() "
             "(opt.param_groups[i][key] = value, or the scheduler's attribute)")
@@ -60,11 +75,12 @@ def _is_scheduler(obj: Any) -> bool:
     return isinstance(obj, (sched.LRScheduler, sched.ReduceLROnPlateau))
 
 
-def _optimizer(name: str, opt: torch.optim.Optimizer, saved: Mapping[str, Any]) -> list[str]:
+def _optimizer(name: str, opt: torch.optim.Optimizer,
+               saved: Mapping[str, Any]) -> list[Replaced]:
     groups = saved.get("param_groups")
     if not isinstance(groups, list) or len(groups) != len(opt.param_groups):
         return []   # not this optimizer's: restore's own check names it
-    found: list[str] = []
+    found: list[Replaced] = []
     for i, (ck, live) in enumerate(zip(groups, opt.param_groups)):
         if not isinstance(ck, Mapping):
             continue
@@ -77,10 +93,10 @@ def _optimizer(name: str, opt: torch.optim.Optimizer, saved: Mapping[str, Any]) 
 
 
 def _settings(where: str, ck: Mapping[str, Any], live: Mapping[str, Any],
-              skip: frozenset[str]) -> list[str]:
+              skip: frozenset[str]) -> list[Replaced]:
     """Plain values under the same key that differ; a chained scheduler's own schedulers
     (SequentialLR's ``_schedulers``) compared one by one."""
-    found: list[str] = []
+    found: list[Replaced] = []
     for key, theirs in ck.items():
         if key in skip or key not in live:
             continue
@@ -91,7 +107,7 @@ def _settings(where: str, ck: Mapping[str, Any], live: Mapping[str, Any],
                 if isinstance(a, Mapping) and isinstance(b, Mapping):
                     found += _settings(f"{where}_schedulers[{j}].", a, b, skip)
         elif _plain(theirs) and _plain(ours) and _normal(theirs) != _normal(ours):
-            found.append(f"{where}{key} {_short(theirs)} (the script's {_short(ours)})")
+            found.append(Replaced(f"{where}{key}", _short(theirs), _short(ours)))
     return found
 
 
