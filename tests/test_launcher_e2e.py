@@ -14,6 +14,7 @@ start it as a real ``python -m resilient_train.cli`` process.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import signal
 import subprocess
@@ -985,3 +986,22 @@ def test_a_gs_output_without_credentials_is_refused_before_anything_starts(
     assert "gcloud auth application-default login" in done.stderr
     assert "--output-dir DIR to keep this run local" in done.stderr
     assert not job_dir.exists()
+
+
+def test_the_credentials_check_passes_quietly_where_there_are_credentials(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        caplog: pytest.LogCaptureFixture) -> None:
+    """google.auth's own lines (no project id in an authorized-user file) would read as
+    the launcher's: the check keeps them out of the output."""
+    from resilient_train.launcher.workerenv import gcs_credentials_problem
+
+    monkeypatch.setenv("GOOGLE_APPLICATION_CREDENTIALS", str(fake_user_credentials(tmp_path)))
+    for var in ("GOOGLE_CLOUD_PROJECT", "GCLOUD_PROJECT", "CLOUDSDK_CORE_PROJECT"):
+        monkeypatch.delenv(var, raising=False)
+    with caplog.at_level(logging.DEBUG):
+        assert gcs_credentials_problem("gs://e2e-bucket/run", {}) is None
+    assert [r.getMessage() for r in caplog.records if r.name.startswith("google.auth")
+            and r.levelno >= logging.WARNING] == []
+    assert gcs_credentials_problem("gs://e2e-bucket/run",
+                                   {"STORAGE_EMULATOR_HOST": "http://127.0.0.1:1"}) is None
+    assert gcs_credentials_problem(str(tmp_path), {}) is None

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import secrets
 import sys
@@ -124,6 +125,11 @@ def gcs_credentials_problem(output: str, environ: Mapping[str, str]) -> str | No
         from google.auth.exceptions import DefaultCredentialsError
     except ImportError:   # gcsfs brings it; without gcsfs the worker's error says more
         return None
+    # Only whether there are credentials: not its lines on the project id or the
+    # metadata server, which would read as the launcher's own.
+    quiet = logging.getLogger("google.auth._default")
+    level = quiet.level
+    quiet.setLevel(logging.ERROR)
     try:
         google.auth.default()
     except DefaultCredentialsError:
@@ -132,6 +138,8 @@ def gcs_credentials_problem(output: str, environ: Mapping[str, str]) -> str | No
                 f"every write there would fail: run `gcloud auth application-default "
                 f"login`, or set GOOGLE_APPLICATION_CREDENTIALS to a key file; or pass "
                 f"--output-dir DIR to keep this run local")
+    finally:
+        quiet.setLevel(level)
     return None
 
 
