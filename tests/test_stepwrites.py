@@ -280,3 +280,21 @@ def test_a_model_left_untracked_is_named_once(tmp_path: Path) -> None:
         tmp_path / "opt", "opt")
     for which in ("model", "own"):
         assert "no model" not in first_step_log(tmp_path / which, which)
+
+
+def test_one_object_tracked_under_two_names_is_named_once(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """A model and its wrapper tracked side by side are one module: saved twice."""
+    from resilient_train import CheckpointManager
+
+    model = nn.Linear(4, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with caplog.at_level(logging.WARNING, logger="resilient_train.checkpoint.manager"), \
+            CheckpointManager(tmp_path / "ckpt") as mgr:
+        mgr.track(model=model, optimizer=opt)
+        mgr.track(wrapped=nn.DataParallel(model))   # the module underneath: the same one
+        mgr.track(other=nn.Linear(4, 1))
+    said = [r.getMessage() for r in caplog.records if "are one object" in r.getMessage()]
+    assert said == ["'model' and 'wrapped' are one object (a model and its DDP or "
+                    "torch.compile wrapper are tracked as the module underneath): every "
+                    "checkpoint holds it 2 times; track it once"], caplog.text
