@@ -23,6 +23,8 @@ logger = logging.getLogger(__name__)
 
 CLUSTER_SPEC_ENV = "CLUSTER_SPEC"
 TF_CONFIG_ENV = "TF_CONFIG"
+# The platform's job id (the launcher sets its own): a job's restarts and retries share it.
+JOB_ID_ENV = "CLOUD_ML_JOB_ID"
 # The replica's own machine disk (set by the launcher; the node-local checkpoint tier's default).
 NODE_LOCAL_DIR_ENV = "RESILIENT_TRAIN_NODE_LOCAL_DIR"
 POOLS = ("workerpool0", "workerpool1", "workerpool2", "workerpool3")
@@ -254,7 +256,7 @@ class ClusterInfo:
         common: dict[str, Any] = {
             "local_rank": local_rank,
             "local_world_size": local_world_size,
-            "job_id": env.get("CLOUD_ML_JOB_ID") or None,
+            "job_id": env.get(JOB_ID_ENV) or None,
             "restart_count": _env_int(env, restart_var, 0),
         }
 

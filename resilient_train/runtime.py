@@ -23,6 +23,7 @@ from dataclasses import asdict, dataclass, replace
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from . import sigterm
+from .cluster import CLUSTER_SPEC_ENV, JOB_ID_ENV, TF_CONFIG_ENV
 from .errors import exception_chain, record
 from .telemetry import Telemetry
 from .validate import NONE, expect_type
@@ -473,8 +474,8 @@ def _live(ctx: Context, fn: Callable[..., R], args: tuple[Any, ...],
 
 # Set where a launcher, the platform or torchrun runs the process: Ctrl-C is theirs then
 # (the launcher's own cancel sends SIGTERM; torchrun's agent too).
-_SUPERVISED_ENV = ("CLUSTER_SPEC", "TF_CONFIG", "CLOUD_ML_JOB_ID", "TORCHELASTIC_RUN_ID",
-                   "RANK", "WORLD_SIZE")
+_SUPERVISED_ENV = (CLUSTER_SPEC_ENV, TF_CONFIG_ENV, JOB_ID_ENV, "TORCHELASTIC_RUN_ID", "RANK",
+                   "WORLD_SIZE")
 
 
 def _alone_at_a_terminal(group: Any) -> bool:

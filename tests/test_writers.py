@@ -10,7 +10,8 @@ import pytest
 import torch
 
 import resilient_train as rt
-from resilient_train.checkpoint.writers import JOB_ID_ENV, RECORD
+from resilient_train.checkpoint.writers import RECORD
+from resilient_train.cluster import JOB_ID_ENV
 
 LOGGER = "resilient_train.checkpoint.writers"
 

@@ -28,13 +28,13 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from ..cluster import JOB_ID_ENV
 from .advice import say_once
 from .storage import RetryOptions, Storage
 
 log = logging.getLogger(__name__)
 
 RECORD = ".rt-last-writer.json"
-JOB_ID_ENV = "CLOUD_ML_JOB_ID"
 _RETRY = RetryOptions(deadline_s=5.0, max_wait_s=1.0)
 
 # What each job's process saw last, per directory: a life's manager is new, the process is

@@ -9,7 +9,13 @@ import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
-from ..cluster import NODE_LOCAL_DIR_ENV, cluster_spec_json, replica_name, tf_config_json
+from ..cluster import (
+    JOB_ID_ENV,
+    NODE_LOCAL_DIR_ENV,
+    cluster_spec_json,
+    replica_name,
+    tf_config_json,
+)
 from ..errors import ERROR_FILE_ENV
 from ..sigterm import GRACE_ENV
 from ..telemetry import FAILURES_ENV, TELEMETRY_ENV
@@ -161,7 +167,7 @@ def worker_env(job: JobEnv, replica: Replica, *, attempt: int, restart: int,
         "WORLD_SIZE": str(world),
         "LOCAL_RANK": "0",
         "LOCAL_WORLD_SIZE": "1",
-        "CLOUD_ML_JOB_ID": job.job_id,
+        JOB_ID_ENV: job.job_id,
         # The platform sets the project *number*; locally there is none: a number that
         # no real project has, unless the user's environment names one.
         "CLOUD_ML_PROJECT_ID": base.get("CLOUD_ML_PROJECT_ID") or LOCAL_PROJECT_NUMBER,
