@@ -887,7 +887,8 @@ class CheckpointManager:
         self.last_commit_step = step
         self.known.commit(committed_as)
         log.info("checkpoint step %d committed to %s", step, self.storage.url_of(committed_as))
-        self._writers.committed(step)
+        if not self.scheduler.sigterm_received:   # a stop's exit does not wait on advice
+            self._writers.committed(step)
 
     # --- what to keep -----------------------------------------------------------------
 
