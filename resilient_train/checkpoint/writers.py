@@ -31,6 +31,7 @@ from typing import Any
 from ..cluster import JOB_ID_ENV
 from .advice import say_once
 from .storage import RetryOptions, Storage
+from .storage_errors import StorageNotFoundError
 
 log = logging.getLogger(__name__)
 
@@ -95,11 +96,11 @@ class WriterWatch:
         _SEEN[key] = mine
 
     def _read(self) -> Writer | None:
-        try:
-            if not self._storage.exists(RECORD):
-                return None
+        try:   # one request: a missing record is the read's not-found
             raw = json.loads(self._storage.read_bytes(RECORD))
             return Writer(str(raw["job"]), int(raw["step"]), float(raw["time"]))
-        except Exception as exc:   # absent, torn or foreign: as if none
+        except StorageNotFoundError:
+            return None
+        except Exception as exc:   # unreadable, torn or foreign: as if none
             log.debug("could not read %s: %s", RECORD, exc)
             return None
