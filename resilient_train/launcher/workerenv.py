@@ -123,8 +123,12 @@ def gcs_credentials_problem(output: str, environ: Mapping[str, str]) -> str | No
     then falls back to anonymous access, and the workers find out at their first write,
     after minutes of retries where the network is down; on the platform the job's service
     account is always there."""
-    if not output.startswith("gs://") or environ.get("STORAGE_EMULATOR_HOST", "") not in (
-            "", "default"):
+    if not output.startswith("gs://"):
+        return None
+    # Imported for gs:// only (fsspec; not torch): the emulator rule of the storage itself.
+    from ..checkpoint.storage_gcs import uses_gcs_emulator
+
+    if uses_gcs_emulator({}, environ):
         return None
     try:
         import google.auth
