@@ -289,7 +289,7 @@ def test_one_object_tracked_under_two_names_is_named_once(
 
     model = nn.Linear(4, 1)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    with caplog.at_level(logging.WARNING, logger="resilient_train.checkpoint.manager"), \
+    with caplog.at_level(logging.WARNING, logger="resilient_train.checkpoint.advice"), \
             CheckpointManager(tmp_path / "ckpt") as mgr:
         mgr.track(model=model, optimizer=opt)
         mgr.track(wrapped=nn.DataParallel(model))   # the module underneath: the same one

@@ -18,6 +18,8 @@ from typing import Any
 
 import torch
 
+from .state import has_state_dict
+
 log = logging.getLogger(__name__)
 
 _SAID: set[str] = set()   # per process, across lives
@@ -115,6 +117,20 @@ class ScriptAdvice:
                 "resume exactly. Track it too: ctx.track(..., sched=scheduler)",
                 ", ".join(names))
 
+    def tracked(self) -> None:
+        """Objects were tracked: one object under two names (often a model and its DDP or
+        torch.compile wrapper, both the module underneath) is saved, copied and restored
+        twice."""
+        names: dict[int, list[str]] = {}
+        for name, obj in self._tracked.items():
+            if has_state_dict(obj):
+                names.setdefault(id(obj), []).append(name)
+        for same in (n for n in names.values() if len(n) > 1):
+            self._say("tracked twice " + " ".join(same),
+                      "%s are one object (a model and its DDP or torch.compile wrapper are "
+                      "tracked as the module underneath): every checkpoint holds it %d "
+                      "times; track it once", " and ".join(repr(n) for n in same), len(same))
+
     def _untracked_model(self) -> None:
         """No tracked object holds weights (a module, or an object of the script's own
         with a state_dict): a restart would resume the step count, the RNGs and the
@@ -125,7 +141,7 @@ class ScriptAdvice:
         aside = (torch.optim.Optimizer, sched.LRScheduler, sched.ReduceLROnPlateau,
                  torch.amp.GradScaler, ResumableLoader)
         if any(isinstance(obj, torch.nn.Module)
-               or (callable(getattr(obj, "state_dict", None)) and not isinstance(obj, aside))
+               or (has_state_dict(obj) and not isinstance(obj, aside))
                for obj in self._tracked.values()):
             return
         what = (f"only {', '.join(self._tracked)} tracked" if self._tracked

@@ -414,7 +414,7 @@ class CheckpointManager:
             refuse_rank_local_state(name, obj)
             refuse_stateless(name, obj)
         self._tracked.update(objects)
-        self._say_tracked_twice()
+        self._advice.tracked()
         import torch
 
         for obj in objects.values():
@@ -424,20 +424,6 @@ class CheckpointManager:
             elif isinstance(obj, torch.amp.GradScaler) and id(obj) not in self._hooked:
                 self._hooked.add(id(obj))
                 self._hooks.append(before_each_call(obj, "step", self._step_begins))
-
-    def _say_tracked_twice(self) -> None:
-        """One object under two names (often a model and its DDP or torch.compile wrapper,
-        both the module underneath) is saved, copied and restored twice: said once."""
-        names: dict[int, list[str]] = {}
-        for name, obj in self._tracked.items():
-            if callable(getattr(obj, "state_dict", None)):
-                names.setdefault(id(obj), []).append(name)
-        for same in (n for n in names.values() if len(n) > 1):
-            say_once(log, "tracked twice " + " ".join(same),
-                     logging.WARNING if self.is_primary else logging.DEBUG,
-                     "%s are one object (a model and its DDP or torch.compile wrapper are "
-                     "tracked as the module underneath): every checkpoint holds it %d times; "
-                     "track it once", " and ".join(repr(n) for n in same), len(same))
 
     # --- when to save -----------------------------------------------------------------
 

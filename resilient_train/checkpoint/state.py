@@ -708,7 +708,8 @@ class Stateful(Protocol):
     def load_state_dict(self, state_dict: Any) -> Any: ...
 
 
-def _has_state_dict(obj: Any) -> bool:
+def has_state_dict(obj: Any) -> bool:
+    """Whether ``obj`` holds state of its own to save (an instance with ``state_dict``)."""
     return not isinstance(obj, type) and callable(getattr(obj, "state_dict", None))
 
 
@@ -723,7 +724,7 @@ def collect(tracked: Mapping[str, Any]) -> dict[str, Any]:
         if type(name) is not str:
             raise TypeError(f"tracked names must be str, found {_short_repr(name)} of type "
                             f"{_type_name(name)}; track objects under string names")
-        out[name] = obj.state_dict() if _has_state_dict(obj) else obj
+        out[name] = obj.state_dict() if has_state_dict(obj) else obj
     return out
 
 
@@ -780,7 +781,7 @@ def restore(tracked: Mapping[str, Any], state: Mapping[str, Any], *,
         obj, sd = tracked[name], state[name]
         if isinstance(obj, torch.nn.Module):
             obj.load_state_dict(sd, strict=strict)
-        elif _has_state_dict(obj) and callable(getattr(obj, "load_state_dict", None)):
+        elif has_state_dict(obj) and callable(getattr(obj, "load_state_dict", None)):
             obj.load_state_dict(sd)
         else:
             plain[name] = sd
@@ -907,7 +908,7 @@ def refuse_stateless(name: str, obj: Any) -> None:
     """At ``track``, not at the first save (perhaps hours later): an object with no
     ``state_dict`` is saved as a value, so it must be one that loads as weights only. A
     ``DataLoader`` is the usual case, tracked to resume its position, which it cannot."""
-    if _has_state_dict(obj):
+    if has_state_dict(obj):
         return
     if isinstance(obj, torch.utils.data.DataLoader):
         raise TypeError(
