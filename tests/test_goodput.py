@@ -129,6 +129,34 @@ def test_a_replicas_processes_sharing_its_file_count_its_steps_once(tmp_path: Pa
     assert [r.rank for r in life.restores] == [0, 1]   # each process's restore is its own
 
 
+def test_a_save_waiting_for_the_previous_write_counts_the_wait(tmp_path: Path) -> None:
+    # One async save in flight at a time: the next one waits for its write, and the loop
+    # with it. That wait is checkpoint time; it was counted as training, since the save
+    # reported only its snapshot. The first write is held until the test lets it go.
+    import threading
+
+    import torch
+
+    from resilient_train.checkpoint.manager import CheckpointManager, CheckpointOptions
+
+    release = threading.Event()
+    with CheckpointManager(tmp_path / "c", options=CheckpointOptions(async_save=True)) as mgr:
+        mgr.track(model=torch.nn.Linear(4, 4))
+        write = mgr.writer.write
+
+        def held(*args: object, **kwargs: object) -> object:
+            release.wait(30)
+            return write(*args, **kwargs)
+
+        mgr.writer.write = held  # type: ignore[method-assign]
+        mgr.save(1)                             # its write is held
+        threading.Timer(0.3, release.set).start()
+        mgr.save(2)                             # returns only once step 1 is written
+        assert release.is_set() and mgr.last_blocking_s >= 0.3
+        mgr.wait()
+    assert mgr.last_commit_step == 2
+
+
 def _epoch(iso: str) -> float:
     return datetime.datetime.fromisoformat(iso.replace("Z", "+00:00")).timestamp()
 

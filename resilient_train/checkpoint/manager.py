@@ -484,11 +484,13 @@ class CheckpointManager:
         sync = bool(blocking or (blocking is None and not self.options.async_save))
         self._save(step, sync=sync, persistent=persistent,
                    overlap=self.options.overlap_snapshot)
-        self.scheduler.measured(time.perf_counter() - t_wait)   # a blocking save: its write too
+        # All this call held the loop for (the goodput's checkpoint time): waiting for the
+        # previous write and the checks too, not only the snapshot (and a blocking write).
+        self.last_blocking_s = time.perf_counter() - t_wait
+        self.scheduler.measured(self.last_blocking_s)
 
     def _save(self, step: int, *, sync: bool, persistent: bool, overlap: bool) -> None:
         """Snapshot and write (``sync``) or hand to the writer thread; the last save done."""
-        t0 = time.perf_counter()
         tree: dict[str, Any] = {"rank": self._rank_state()}
         staged = self._sharded.stage(self._tracked)  # None unless some state is a DTensor
         local = self._local is not None and staged is None   # sharded: persistent only
@@ -509,13 +511,11 @@ class CheckpointManager:
                                                                                 defer=defer)
         if staged is not None:
             snap["dcp"] = staged  # already a host copy: DCP's stager made it
-        self.last_blocking_s = time.perf_counter() - t0
         self.scheduler.saving(step)
         if sync:
             self._write_tiers(step, snap, local, persistent)
             # Deleting old steps (about 1 s per GB on some disks) need not block anyone.
             self._inflight = self._thread.submit(self._apply_retention)
-            self.last_blocking_s = time.perf_counter() - t0   # the write blocked it too
         else:
             self._inflight = self._thread.submit(self._write_guarded, step, snap, local,
                                                  persistent)
