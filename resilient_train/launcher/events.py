@@ -14,6 +14,7 @@ import datetime as _dt
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from enum import Enum
+from functools import cached_property
 from typing import Any
 
 __all__ = ["EVENT_FIELDS", "Event", "EventKind", "decision_summary", "epoch", "iso"]
@@ -93,6 +94,11 @@ class Event:
 
     def to_json(self) -> dict[str, Any]:
         """The job record's form: None fields and a False ``counts_as_failure`` left out."""
+        return dict(self._json)
+
+    @cached_property
+    def _json(self) -> dict[str, Any]:
+        # Rendered once: the launcher rewrites the record, every event in it, at each event.
         out: dict[str, Any] = {"time": iso(self.time)}
         for f in fields(self):
             if f.name == "time":
