@@ -328,6 +328,7 @@ class CheckpointManager:
         self._inflight: Future[None] | None = None
         self._error: BaseException | None = None
         self.last_commit_step: int | None = None
+        self._recorded: int | None = None   # committed, its writer record not yet written
         self.last_blocking_s = 0.0
         # For retention: the steps known to verify or not; neither is checked again.
         self.known = KnownSteps()
@@ -514,8 +515,9 @@ class CheckpointManager:
         self.scheduler.saving(step)
         if sync:
             self._write_tiers(step, snap, local, persistent)
-            # Deleting old steps (about 1 s per GB on some disks) need not block anyone.
-            self._inflight = self._thread.submit(self._apply_retention)
+            # Deleting old steps (about 1 s per GB on some disks) and the writer record (two
+            # requests to a bucket) need not block anyone.
+            self._inflight = self._thread.submit(self._after_commit)
         else:
             self._inflight = self._thread.submit(self._write_guarded, step, snap, local,
                                                  persistent)
@@ -720,7 +722,7 @@ class CheckpointManager:
             log.error("checkpoint save of step %d failed: %s", step, exc)
             self._error = exc
             return
-        self._apply_retention()
+        self._after_commit()
 
     def _write_tiers(self, step: int, snap: dict[str, Any], local: bool,
                      persistent: bool) -> None:
@@ -870,11 +872,17 @@ class CheckpointManager:
                             metadata=dict(self.options.metadata))
         with self._gate.commit(step):   # refused after an emergency save's deadline
             committed_as = self.committer.commit(work, manifest)
-        self.last_commit_step = step
+        self.last_commit_step = self._recorded = step
         self.known.commit(committed_as)
         log.info("checkpoint step %d committed to %s", step, self.storage.url_of(committed_as))
-        if not self.scheduler.sigterm_received:   # a stop's exit does not wait on advice
-            self._writers.committed(step)
+
+    def _after_commit(self) -> None:
+        """Writer thread, after a save: the writer record of the step it committed (the
+        primary's) and retention."""
+        step, self._recorded = self._recorded, None
+        if step is not None and not self.scheduler.sigterm_received:
+            self._writers.committed(step)   # a stop's exit does not wait on advice
+        self._apply_retention()
 
     # --- what to keep -----------------------------------------------------------------
 

@@ -2,8 +2,9 @@
 
 Every step sleeps STEP_S; every 10th step a synchronous save of a 16 MB state blocks the
 loop. Besides the launcher's telemetry, the script keeps its own oracle: one line per
-finished step with its exact start and end and the process, appended and flushed, so a SIGKILL loses at
-most the step it interrupted (which is not finished, so it is not productive anyway).
+finished step with its exact start and end and the process, appended and flushed, so a
+SIGKILL loses at most the step it interrupted (which is not finished, so it is not
+productive anyway).
 """
 
 from __future__ import annotations
