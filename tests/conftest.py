@@ -89,9 +89,19 @@ def _module_fixtures(item: pytest.Item) -> bool:
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """In a run spread over processes, the tests that share a module-scoped fixture run in
-    one process: in two, each would run the fixture's job again."""
+    one process: in two, each would run the fixture's job again. And the longest go first:
+    pytest-xdist hands tests out in this order, and a group of end-to-end jobs (a minute or
+    two in one process) left to the end ran alone while the other processes had nothing."""
     if not getattr(config.option, "numprocesses", None):
         return
+    grouped = set()
     for item in items:
         if isinstance(item, pytest.Function) and _module_fixtures(item):
             item.add_marker(pytest.mark.xdist_group(item.module.__name__))
+            grouped.add(item)
+
+    def weight(item: pytest.Item) -> int:
+        slow = item.get_closest_marker("slow") is not None
+        return 0 if item in grouped and slow else 1 if slow else 2
+
+    items.sort(key=weight)   # stable: each group's tests stay in their order
