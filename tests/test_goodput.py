@@ -11,11 +11,14 @@ import signal
 import statistics
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
+import torch
 
 from resilient_train import cli
+from resilient_train.checkpoint.manager import CheckpointManager, CheckpointOptions
 from resilient_train.goodput import account
 from resilient_train.telemetry import Segment, Telemetry, read_life, read_step
 
@@ -133,12 +136,6 @@ def test_a_save_waiting_for_the_previous_write_counts_the_wait(tmp_path: Path) -
     # One async save in flight at a time: the next one waits for its write, and the loop
     # with it. That wait is checkpoint time; it was counted as training, since the save
     # reported only its snapshot. The first write is held until the test lets it go.
-    import threading
-
-    import torch
-
-    from resilient_train.checkpoint.manager import CheckpointManager, CheckpointOptions
-
     release = threading.Event()
     with CheckpointManager(tmp_path / "c", options=CheckpointOptions(async_save=True)) as mgr:
         mgr.track(model=torch.nn.Linear(4, 4))

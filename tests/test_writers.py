@@ -4,13 +4,14 @@ another's checkpoint is not. Real managers, real files."""
 from __future__ import annotations
 
 import logging
+import threading
 from pathlib import Path
 
 import pytest
 import torch
 
 import resilient_train as rt
-from resilient_train.checkpoint.writers import RECORD
+from resilient_train.checkpoint.writers import RECORD, WriterWatch
 from resilient_train.cluster import JOB_ID_ENV
 
 LOGGER = "resilient_train.checkpoint.writers"
@@ -78,10 +79,6 @@ def test_without_a_job_id_nothing_is_recorded(
 def test_a_blocking_save_does_not_wait_for_the_writer_record(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     # Two requests to a bucket after each commit: advice, never the loop's to wait for.
-    import threading
-
-    from resilient_train.checkpoint.writers import WriterWatch
-
     release, recorded = threading.Event(), []
     real = WriterWatch.committed
 
