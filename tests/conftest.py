@@ -94,14 +94,13 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     two in one process) left to the end ran alone while the other processes had nothing."""
     if not getattr(config.option, "numprocesses", None):
         return
-    grouped = set()
     for item in items:
         if isinstance(item, pytest.Function) and _module_fixtures(item):
             item.add_marker(pytest.mark.xdist_group(item.module.__name__))
-            grouped.add(item)
 
     def weight(item: pytest.Item) -> int:
         slow = item.get_closest_marker("slow") is not None
-        return 0 if item in grouped and slow else 1 if slow else 2
+        grouped = item.get_closest_marker("xdist_group") is not None
+        return 0 if grouped and slow else 1 if slow else 2
 
     items.sort(key=weight)   # stable: each group's tests stay in their order
