@@ -1,5 +1,5 @@
-"""Shared fixtures: a fake-gcs-server for the session, fresh buckets, a fault proxy. And
-how the suite is spread over processes (pytest-xdist, set up in pyproject.toml)."""
+"""Shared fixtures: a fake-gcs-server for the session, fresh buckets, a fault proxy. How
+the suite is spread over processes is suite_layout.py's (pytest-xdist, in pyproject.toml)."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from _pytest.fixtures import FixtureDef
 from gcs import FaultProxy, GcsEmulator, emulator_binary, start_emulator
+from suite_layout import pytest_collection_modifyitems  # noqa: F401  (a hook: pytest finds it)
 
 
 @pytest.fixture(scope="session")
@@ -75,32 +75,3 @@ def pytest_configure(config: pytest.Config) -> None:
         return
     for folder in ("resilient_train", "tests", "examples", "benchmarks"):
         compileall.compile_dir(ROOT / folder, quiet=1)
-
-
-# --- spreading the suite over processes (pytest-xdist's --dist loadgroup) -----------------
-
-
-def _module_fixtures(item: pytest.Item) -> bool:
-    """Whether the test uses a module-scoped fixture (a job run once for the module's tests)."""
-    info = getattr(item, "_fixtureinfo", None)
-    defs: dict[str, tuple[FixtureDef[Any], ...]] = getattr(info, "name2fixturedefs", {})
-    return any(d and d[-1].scope == "module" for d in defs.values())
-
-
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """In a run spread over processes, the tests that share a module-scoped fixture run in
-    one process: in two, each would run the fixture's job again. And the longest go first:
-    pytest-xdist hands tests out in this order, and a group of end-to-end jobs (a minute or
-    two in one process) left to the end ran alone while the other processes had nothing."""
-    if not getattr(config.option, "numprocesses", None):
-        return
-    for item in items:
-        if isinstance(item, pytest.Function) and _module_fixtures(item):
-            item.add_marker(pytest.mark.xdist_group(item.module.__name__))
-
-    def weight(item: pytest.Item) -> int:
-        slow = item.get_closest_marker("slow") is not None
-        grouped = item.get_closest_marker("xdist_group") is not None
-        return 0 if grouped and slow else 1 if slow else 2
-
-    items.sort(key=weight)   # stable: each group's tests stay in their order
