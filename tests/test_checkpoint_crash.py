@@ -18,6 +18,9 @@ After every kill, in the test process, with fresh objects:
   * nothing reported committed is lost: the restored step is >= every step the children
     reported committed (retention may delete old steps, never the newest);
   * the next child restores the same step the test restored.
+
+A directory's first kill may land before anything was committed; later kills into a
+directory still empty count their instant from the run's first commit (``kill_once``).
 """
 
 from __future__ import annotations
@@ -219,13 +222,18 @@ class Directory:
 def kill_once(saver: Saver, d: Directory, delay: float, aim: str | None = None
               ) -> dict[str, Any]:
     """One run killed ``delay`` seconds into its loop (with ``aim``: at the first moment
-    after that when its writer is in that phase)."""
+    after that when its writer is in that phase). Into a directory that is still empty
+    after a first kill, the delay counts from the run's first commit: on a loaded machine a
+    save can outlast every delay drawn, and each run was killed before it committed
+    anything, leaving nothing for the checks to restore. A first kill still may land
+    before any commit, and checks that a restore then finds nothing."""
     d.work.mkdir(parents=True, exist_ok=True)
     answer = saver.run(url=d.url, storage_options=d.storage_options,
                        async_save=d.config.async_save, numel=d.config.numel,
                        train_s=d.config.train_s, keep_last=2, report=str(d.report),
                        error_file=str(d.errors), kill_after_s=delay,
-                       node_local=d.node_local, kill_in=aim)
+                       node_local=d.node_local, kill_in=aim,
+                       from_first_commit=d.restored is None and d.runs > 0)
     d.runs += 1
     errors = d.errors.read_text() if d.errors.exists() else ""
     assert answer["signal"] == 9 and not answer["died_early"], (

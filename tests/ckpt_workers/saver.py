@@ -5,11 +5,13 @@ object per line on stdin, answering one JSON line on stdout:
 
     {"cmd": "run", "url": ..., "storage_options": {...} | null, "async_save": bool,
      "numel": int, "train_s": float, "keep_last": int, "report": path, "error_file": path,
-     "kill_after_s": float, "node_local": path | null, "kill_in": writer phase | null}
+     "kill_after_s": float, "node_local": path | null, "kill_in": writer phase | null,
+     "from_first_commit": bool}
         fork a child that restores the latest checkpoint (like a restarted job) and then
         loops: advance the model one step (crash_model), simulated compute (train_s),
         save the step. Once the child is in its loop, wait kill_after_s (the randomised
-        kill instant the test drew), and, with ``kill_in``, then until the writer is in
+        kill instant the test drew; with ``from_first_commit``, counted from the child's
+        first commit instead), and, with ``kill_in``, then until the writer is in
         that phase (an aimed kill: a phase a few milliseconds long that random instants
         can miss), SIGKILL it, reap it, and answer
         {"event": "killed", "signal": 9, "main": ..., "writer": ..., ...}
@@ -212,6 +214,13 @@ def run(cmd: dict[str, Any], shared: Shared) -> dict[str, Any]:
         if time.monotonic() > deadline:
             break
         time.sleep(0.0005)
+    if early is None and cmd.get("from_first_commit"):
+        while shared.read()["last_committed"] < 0 and time.monotonic() < deadline:
+            done, status = os.waitpid(pid, os.WNOHANG)
+            if done:
+                early = status
+                break
+            time.sleep(0.0005)
     if early is None:
         time.sleep(float(cmd["kill_after_s"]))  # the randomised kill instant
         if cmd.get("kill_in"):
