@@ -37,6 +37,7 @@ import struct
 import sys
 import time
 import traceback
+from collections.abc import Callable
 from typing import Any
 
 os.environ.setdefault("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")
@@ -190,6 +191,17 @@ def child(cmd: dict[str, Any], shared: Shared) -> None:
             shared.set_int(24, last)
 
 
+def _wait_alive(pid: int, until: Callable[[], bool], deadline: float) -> int | None:
+    """Poll until ``until()`` holds or the deadline passes; the child's wait status if it
+    exited first (it was meant to be killed), else None."""
+    while not until() and time.monotonic() < deadline:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            return status
+        time.sleep(0.0005)
+    return None
+
+
 def run(cmd: dict[str, Any], shared: Shared) -> dict[str, Any]:
     shared.reset()
     pid = os.fork()
@@ -205,22 +217,9 @@ def run(cmd: dict[str, Any], shared: Shared) -> dict[str, Any]:
             code = 3
         os._exit(code)
     deadline = time.monotonic() + READY_LIMIT_S
-    early: int | None = None
-    while shared.read()["main"] not in ("train", "save"):
-        done, status = os.waitpid(pid, os.WNOHANG)
-        if done:
-            early = status
-            break
-        if time.monotonic() > deadline:
-            break
-        time.sleep(0.0005)
+    early = _wait_alive(pid, lambda: shared.read()["main"] in ("train", "save"), deadline)
     if early is None and cmd.get("from_first_commit"):
-        while shared.read()["last_committed"] < 0 and time.monotonic() < deadline:
-            done, status = os.waitpid(pid, os.WNOHANG)
-            if done:
-                early = status
-                break
-            time.sleep(0.0005)
+        early = _wait_alive(pid, lambda: shared.read()["last_committed"] >= 0, deadline)
     if early is None:
         time.sleep(float(cmd["kill_after_s"]))  # the randomised kill instant
         if cmd.get("kill_in"):
