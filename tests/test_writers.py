@@ -44,7 +44,7 @@ def test_two_jobs_committing_into_one_directory_are_named_each_once(
     assert b.restore_latest() == 1        # job b resumes job a's step: a resubmitted job
     saved(b, 2)
     assert caplog.text == ""              # ... which is not said
-    saved(a, 3)                             # job a is still running: both now commit here
+    saved(a, 3)                           # job a is still running: both now commit here
     saved(b, 4)
     said = [r.getMessage() for r in caplog.records]
     assert len(said) == 2, said
