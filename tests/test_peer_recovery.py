@@ -244,23 +244,40 @@ def test_a_state_tree_moves_point_to_point_and_is_read_once_between_real_process
     assert got[2]["p2p_bytes"] == got[0]["sent_bytes"] == nbytes
 
 
-def early_restore_ranks(tmp_path: Path, **env: str) -> list[str]:
-    """Run dist_workers/early_restore_worker.py as ranks 0 and 1 to the end: their output."""
-    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()),
-               RESULT_DIR=str(tmp_path), CKPT_DIR=str(tmp_path / "ckpt"),
-               GLOO_SOCKET_IFNAME="lo", **env)
+# Each scenario of the early transfer: its two ranks' output, and their results' directory.
+EarlyRuns = dict[str, tuple[list[str], Path]]
+EARLY_SCENARIOS = ("PLAIN", "FAIL_LAST_SAVE", "FUSED_TORN", "LATE_LOST", "EMA", "LARGE",
+                   "POST_COLLECTIVE", "SKIP_LOST")
+
+
+@pytest.fixture(scope="module")
+def early(tmp_path_factory: pytest.TempPathFactory) -> EarlyRuns:
+    """dist_workers/early_restore_worker.py as ranks 0 and 1, once for every scenario the
+    tests below look at (each in a process of its own, forked from the pair): for each,
+    the two ranks' output and the directory of their results."""
+    tmp = tmp_path_factory.mktemp("early")
+    env = dict(os.environ, MASTER_ADDR="127.0.0.1", RESULT_DIR=str(tmp),
+               SCENARIOS=",".join(EARLY_SCENARIOS), GLOO_SOCKET_IFNAME="lo",
+               MASTER_PORTS=",".join(str(free_port()) for _ in EARLY_SCENARIOS))
     worker = HERE / "dist_workers" / "early_restore_worker.py"
     procs = [subprocess.Popen([sys.executable, str(worker)], env=env | {"RANK": str(r)},
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
              for r in range(2)]
-    outs = [p.communicate(timeout=120)[0].decode(errors="replace") for p in procs]
-    assert [p.returncode for p in procs] == [0, 0], outs
-    return outs
+    try:
+        outs = [p.communicate(timeout=300)[0].decode(errors="replace") for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    results = {name: ([(tmp / name / f"out{r}.txt").read_text(errors="replace")
+                       if (tmp / name / f"out{r}.txt").exists() else "(no output)"
+                       for r in range(2)], tmp / name) for name in EARLY_SCENARIOS}
+    assert [p.returncode for p in procs] == [0, 0], (outs, results)
+    return results
 
 
-@pytest.mark.parametrize("fail_last_save", ["", "1"])
+@pytest.mark.parametrize("scenario", ["PLAIN", "FAIL_LAST_SAVE"])
 def test_a_restarted_ranks_state_arrives_before_it_has_built_its_model(
-        tmp_path: Path, fail_last_save: str) -> None:
+        early: EarlyRuns, scenario: str) -> None:
     """start_restore: the ranks agree on the plan as the life begins and the state
     moves in a thread; rank 1 (a new process as far as peer recovery knows) waits for the
     transfer to end, only then builds a model with other initial weights, and restores
@@ -268,10 +285,10 @@ def test_a_restarted_ranks_state_arrives_before_it_has_built_its_model(
     # FAIL_LAST_SAVE: rank 0's last boundary raises a background save's failure (a peer
     # lost in the save's collective, as in a 2x2 job killed mid-save). The step was done:
     # its state is kept all the same, and the restore still comes from memory.
-    outs = early_restore_ranks(tmp_path, FAIL_LAST_SAVE=fail_last_save)
-    if fail_last_save:
+    outs, result = early[scenario]
+    if scenario == "FAIL_LAST_SAVE":
         assert "rank 0: the boundary raised TransientCheckpointError" in outs[0], outs[0]
-    got = [torch.load(tmp_path / f"rank{r}.pt", weights_only=True) for r in range(2)]
+    got = [torch.load(result / f"rank{r}.pt", weights_only=True) for r in range(2)]
     assert got[1]["arrived_first"] is True
     for r in range(2):
         assert got[r]["step"] == 4, got[r]["record"]
@@ -287,7 +304,7 @@ def test_a_restarted_ranks_state_arrives_before_it_has_built_its_model(
     # The restore loaded what the early transfer moved (and said so), moving nothing again.
     assert re.search(r"restored step 4 from rank 0 \(\S+ \S+ of state received in "
                      r"[\d.]+ s while the model was built\)", outs[1]), outs[1]
-    assert not (tmp_path / "ckpt").exists() or not any((tmp_path / "ckpt").iterdir())
+    assert not (result / "ckpt").exists() or not any((result / "ckpt").iterdir())
 
 
 # --- a job under the launcher -----------------------------------------------------------
@@ -469,27 +486,27 @@ def test_an_fsdp2_job_rebuilds_a_lost_ranks_shard_from_its_neighbours_memory(
 
 
 def test_a_fused_optimizers_step_before_the_failure_tears_the_survivor(
-        tmp_path: Path) -> None:
+        early: EarlyRuns) -> None:
     """A fused optimizer writes the parameters without moving their version counters: its
     step pre-hook says the step began, so a survivor whose step failed after it (a loss
     all-reduced after opt.step()) hands over nothing, rather than a step ahead."""
-    outs = early_restore_ranks(tmp_path, FUSED_TORN="1")
+    outs, result = early["FUSED_TORN"]
     for r in range(2):
-        got = torch.load(tmp_path / f"rank{r}.pt", weights_only=True)
+        got = torch.load(result / f"rank{r}.pt", weights_only=True)
         assert got["step"] is None and got["record"]["source"] != "peer", got["record"]
     assert "its step 5 had already changed the model's parameters" in outs[0], outs[0]
 
 
 def test_a_rank_lost_after_changing_its_state_past_opt_step_is_named_with_the_fix(
-        tmp_path: Path) -> None:
+        early: EarlyRuns) -> None:
     """A rank that once changed its values after its optimizer step (an evaluation's
     metric) sends the copy that counts only at its steps' ends. Lost between its last
     optimizer step and that step's end, it leaves no copy of the step: the restore goes to
     storage, and the line says that this is why and what to change, and the rank itself
     said so at the step it first did it."""
-    outs = early_restore_ranks(tmp_path, LATE_LOST="1")
+    outs, result = early["LATE_LOST"]
     for r in range(2):
-        got = torch.load(tmp_path / f"rank{r}.pt", weights_only=True)
+        got = torch.load(result / f"rank{r}.pt", weights_only=True)
         assert got["step"] is None and got["record"]["source"] != "peer", got["record"]
     assert ("no survivor has rank 1's RNG, values and buffers of step 4: it changes them "
             "after opt.step() (as in step 2) and died before its step's end; change them "
@@ -498,15 +515,15 @@ def test_a_rank_lost_after_changing_its_state_past_opt_step_is_named_with_the_fi
 
 
 def test_an_ema_updated_after_opt_step_comes_back_with_its_update_count(
-        tmp_path: Path) -> None:
+        early: EarlyRuns) -> None:
     """An SWA/EMA model's ``update_parameters`` runs after ``opt.step()`` and writes the
     buffer ``n_averaged``, which the SWA average divides by. The copy of each rank's own
     state (its buffers among them) taken before the optimizer step must not stand for the
     step's end: restored from memory, the count is every step's, the average exact, and
     the primary names the buffer once (without the check, the count came back one short)."""
-    outs = early_restore_ranks(tmp_path, EMA="1")
+    outs, result = early["EMA"]
     for r in range(2):
-        got = torch.load(tmp_path / f"rank{r}.pt", weights_only=True)
+        got = torch.load(result / f"rank{r}.pt", weights_only=True)
         assert got["step"] == 4 and got["record"]["source"] == "peer", got["record"]
         assert int(got["ema"]["n_averaged"]) == 4
         for key, value in got["ema_life1"].items():
@@ -515,41 +532,41 @@ def test_an_ema_updated_after_opt_step_comes_back_with_its_update_count(
 
 
 def test_a_large_per_rank_state_is_named_once_with_what_makes_it_large(
-        tmp_path: Path) -> None:
+        early: EarlyRuns) -> None:
     """The ring pickles and sends each rank's own state every step: a loss history kept
     in ctx.values grows that cost without end. Past 1 MB the rank says so, once, naming
     the value, and the recovery from memory still works."""
-    outs = early_restore_ranks(tmp_path, LARGE="1")
+    outs, result = early["LARGE"]
     line = "rank 0: its own state (RNG, ctx.values, buffers) is 1.4 MB, mostly " \
            "ctx.values['history'] (1.4 MB)"
     assert outs[0].count(line) == 1, outs[0]
-    got = torch.load(tmp_path / "rank0.pt", weights_only=True)
+    got = torch.load(result / "rank0.pt", weights_only=True)
     assert got["step"] == 4 and got["record"]["source"] == "peer", got["record"]
     assert "its own state" not in outs[1]   # rank 1's is small
 
 
 def test_a_collective_after_opt_step_is_named_once_at_the_first_step(
-        tmp_path: Path) -> None:
+        early: EarlyRuns) -> None:
     """A metric all-reduced after opt.step(): a peer lost during it leaves the survivors
     past their optimizer step, and the recovery goes to storage. The default group's
     collective count, read when the optimizer step begins and at the step's end, tells:
     the primary says so at the first step, once; the all-reduces DDP (here, by hand) runs
     before opt.step() are not named."""
-    outs = early_restore_ranks(tmp_path, POST_COLLECTIVE="1")
+    outs, result = early["POST_COLLECTIVE"]
     line = "step 1 ran a collective on the default process group after opt.step()"
     assert outs[0].count(f"rank 0: {line}") == 1, outs[0]
-    assert "ran a collective" not in early_restore_ranks(tmp_path / "before")[0]
+    assert "ran a collective" not in early["PLAIN"][0][0]
 
 
 def test_a_rank_lost_after_a_skipped_gradscaler_step_leaves_its_copy_with_its_peer(
-        tmp_path: Path) -> None:
+        early: EarlyRuns) -> None:
     """A GradScaler that skips a step (an overflow) never calls the optimizer's step, whose
     pre-hook sends the rank's state round the ring: the tracked scaler's step() sends it
     too. Rank 1, lost after its last scaler.step() and before that step's end, leaves its
     copy of step 4 with rank 0, and both resume there from memory, its RNG and values
     exact."""
-    early_restore_ranks(tmp_path, SKIP_LOST="1")
-    got = [torch.load(tmp_path / f"rank{r}.pt", weights_only=True) for r in range(2)]
+    result = early["SKIP_LOST"][1]
+    got = [torch.load(result / f"rank{r}.pt", weights_only=True) for r in range(2)]
     for r in range(2):
         assert got[r]["step"] == 4, got[r]["record"]
         assert got[r]["record"]["source"] == "peer", got[r]["record"]
