@@ -13,7 +13,6 @@ import random
 import socket
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 from collections.abc import Callable
@@ -22,6 +21,7 @@ from typing import Any
 
 import pytest
 import torch
+from lives import Life, run_lives
 
 from resilient_train.distributed import (
     DistributedConfigError,
@@ -43,34 +43,30 @@ HELD = Path(__file__).parent / "init_workers" / "held.py"
 def run_ranks(world: int, delays: dict[int, float], *, extra: dict[str, str] | None = None,
               ranks: list[int] | None = None, master_addr: str = "localhost",
               timeout: float = 120.0, script: Path = FORM) -> dict[int, dict[str, Any]]:
-    """Start each rank of ``ranks`` (default all) as its own process after its delay."""
+    """Start each rank of ``ranks`` (default all) as its own process (forked together from
+    one that imported torch: tests/lives.py), each waiting its delay before it forms."""
     port = free_port()
     job_id = f"test-{port}-{time.monotonic_ns()}"  # another job's store on a reused port
-    procs: dict[int, tuple[subprocess.Popen[str], Any, Any]] = {}
-    for rank in ranks if ranks is not None else range(world):
+    lives = []
+    chosen = ranks if ranks is not None else list(range(world))
+    for rank in chosen:
         env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR=master_addr,
                    MASTER_PORT=str(port), GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1",
                    DELAY_S=str(delays.get(rank, 0.0)), CLOUD_ML_JOB_ID=job_id, **(extra or {}))
         for var in ("CLUSTER_SPEC", "TF_CONFIG", "TORCHELASTIC_USE_AGENT_STORE"):
             env.pop(var, None)
-        # Files, not pipes: a pipe nobody drains yet would block the writer (and the
-        # rendezvous) when it fills.
-        out, err = tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")
-        procs[rank] = (subprocess.Popen([sys.executable, str(script)], env=env, text=True,
-                                        stdout=out, stderr=err), out, err)
+        lives.append(Life([str(script)], env))
+    procs = run_lives(lives, together=True, timeout=timeout,
+                      preload=("torch", "torch.distributed"))
     results: dict[int, dict[str, Any]] = {}
-    for rank, (p, out, err) in procs.items():
-        p.wait(timeout=timeout)
-        out.seek(0)
-        err.seek(0)
-        stdout, stderr = out.read(), err.read()
-        out.close()
-        err.close()
-        lines = [line for line in stdout.splitlines() if line.startswith("{")]
-        if not lines and script is not FORM and p.returncode == 9:
+    for rank, proc in zip(chosen, procs):
+        lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
+        if not lines and script is not FORM and proc.returncode == 9:
             continue  # the survivor scripts' dead rank dies on purpose (os._exit(9))
-        assert lines, f"rank {rank} printed no result (exit {p.returncode}):\n{stderr[-3000:]}"
-        results[rank] = json.loads(lines[-1]) | {"exit": p.returncode, "stderr": stderr}
+        assert lines, (f"rank {rank} printed no result (exit {proc.returncode}):\n"
+                       f"{proc.stderr[-3000:]}")
+        results[rank] = json.loads(lines[-1]) | {"exit": proc.returncode,
+                                                 "stderr": proc.stderr}
     return results
 
 

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from lives import Life, run_lives
 
 SCRIPT = Path(__file__).parent / "runtime_workers" / "train_simple.py"
 
@@ -21,27 +22,33 @@ def outside_env() -> dict[str, str]:
         "RANK", "WORLD_SIZE", "CLUSTER_SPEC", "TF_CONFIG", "MASTER_ADDR", "MASTER_PORT")}
 
 
+def life(tmp: Path, name: str, **env: str) -> Life:
+    """train_simple.py with its checkpoints, result and error report in ``tmp/name``."""
+    return Life([str(SCRIPT)], outside_env() | {
+        "CKPT": str(tmp / name / "ckpt"), "OUT": str(tmp / name / "final.pt"),
+        "TORCHELASTIC_ERROR_FILE": str(tmp / name / "report.json"), **env})
+
+
 def run(tmp: Path, name: str, **env: str) -> subprocess.CompletedProcess[str]:
-    full = outside_env()
-    full.update(CKPT=str(tmp / name / "ckpt"), OUT=str(tmp / name / "final.pt"),
-                TORCHELASTIC_ERROR_FILE=str(tmp / name / "report.json"), **env)
-    return subprocess.run([sys.executable, str(SCRIPT)], env=full, text=True,
+    """One life of train_simple.py, as a process started for it alone."""
+    one = life(tmp, name, **env)
+    return subprocess.run([sys.executable, *one.argv], env=dict(one.env), text=True,
                           capture_output=True, timeout=120, check=False)
 
 
 @pytest.mark.slow
 def test_a_transient_failure_exits_134_and_the_rerun_resumes_exactly(tmp_path: Path) -> None:
-    clean = run(tmp_path, "clean")
-    assert clean.returncode == 0, clean.stderr[-2000:]
-
     once = str(tmp_path / "failed-once")
-    first = run(tmp_path, "faulty", FAIL_AT="12", FAIL_ONCE=once)
+    clean, first, second = run_lives([
+        life(tmp_path, "clean"),
+        life(tmp_path, "faulty", FAIL_AT="12", FAIL_ONCE=once),
+        life(tmp_path, "faulty", FAIL_AT="12", FAIL_ONCE=once)])   # the platform's restart
+    assert clean.returncode == 0, clean.stderr[-2000:]
     assert first.returncode == 134, first.stderr[-2000:]
     report = json.loads((tmp_path / "faulty" / "report.json").read_text())["resilient_train"]
     assert report["classification"] == "transient"
     assert "the data loader lost its connection" in report["message"]
 
-    second = run(tmp_path, "faulty", FAIL_AT="12", FAIL_ONCE=once)  # the platform's restart
     assert second.returncode == 0, second.stderr[-2000:]
     # It resumed after the last save before the failure (every 5 steps: step 10), not anew.
     assert "restored_step=10 data_position=20" in second.stdout
@@ -107,20 +114,18 @@ def test_state_read_before_the_loop_is_restored_by_ctx_restore_or_named_stale(
     it is named, setting a default is not."""
     script = Path(__file__).parent / "runtime_workers" / "state_before_loop.py"
 
-    def life(steps: int, **env: str) -> subprocess.CompletedProcess[str]:
-        proc = subprocess.run([sys.executable, str(script)], text=True, capture_output=True,
-                              timeout=120, check=False,
-                              env=outside_env() | {"CKPT": str(tmp_path / "ckpt"),
-                                                   "STEPS": str(steps)} | env)
-        assert proc.returncode == 0, proc.stderr[-2000:]
-        return proc
+    def life_of(steps: int, **env: str) -> Life:
+        return Life([str(script)], outside_env() | {"CKPT": str(tmp_path / "ckpt"),
+                                                    "STEPS": str(steps)} | env)
 
-    first = life(12, LATE="1")
+    first, stale, early = run_lives([life_of(12, LATE="1"), life_of(14),
+                                     life_of(16, EARLY="1")])
+    for proc in (first, stale, early):
+        assert proc.returncode == 0, proc.stderr[-2000:]
     assert "restore()=not called epoch_before_loop=0 best=100.0\nfirst_step=0 " \
         "restored_again=True" in first.stdout
     assert "ctx.track(late) after this life's restore" in first.stderr
     assert "was read before the restore" not in first.stderr   # nothing to restore
-    stale = life(14)
     assert "epoch_before_loop=0 best=100.0\nfirst_step=12 restored_again=True" in stale.stdout
     assert "data.epoch was read before the restore (it was 0; the checkpoint's is 2)" \
         in stale.stderr
@@ -128,7 +133,6 @@ def test_state_read_before_the_loop_is_restored_by_ctx_restore_or_named_stale(
     assert "ctx.values['best'] was read before the restore (it was <not set>; the " \
         "checkpoint's is 39.0)" in stale.stderr
     assert "ctx.values['seen']" not in stale.stderr
-    early = life(16, EARLY="1")
     assert "restore()=14 epoch_before_loop=2 best=37.0\nfirst_step=14 restored_again=False" \
         in early.stdout
     assert "was read before the restore" not in early.stderr
@@ -177,19 +181,15 @@ DRAW_ORDER = Path(__file__).parent / "runtime_workers" / "draw_order.py"
 def _draw_order_runs(tmp: Path, runs: list[tuple[str, str, dict[str, str]]]
                      ) -> dict[str, dict[str, object]]:
     """Run draw_order.py once per (name, order, env), side by side: what each wrote."""
-    procs = {}
-    for name, order, env in runs:
-        full = outside_env() | {"CKPT": str(tmp / name), "OUT": str(tmp / f"{name}.pt"),
-                                "ORDER": order, "FAIL_ONCE": str(tmp / f"{name}.failed"),
-                                **env}
-        procs[name] = subprocess.Popen([sys.executable, str(DRAW_ORDER)], env=full, text=True,
-                                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-    outs = {name: (p.communicate(timeout=120)[0], p.returncode) for name, p in procs.items()}
-    for (name, _, env), (out, code) in zip(runs, outs.values()):
-        assert code == (134 if "FAIL_AT" in env and not (tmp / f"{name}.pt").exists()
-                        else 0), out[-3000:]
+    procs = run_lives([Life([str(DRAW_ORDER)], outside_env() | {
+        "CKPT": str(tmp / name), "OUT": str(tmp / f"{name}.pt"), "ORDER": order,
+        "FAIL_ONCE": str(tmp / f"{name}.failed"), **env}) for name, order, env in runs],
+        together=True)
+    for (name, _, env), proc in zip(runs, procs):
+        assert proc.returncode == (134 if "FAIL_AT" in env and not (tmp / f"{name}.pt").exists()
+                                   else 0), (proc.stdout + proc.stderr)[-3000:]
     return {name: torch.load(tmp / f"{name}.pt", weights_only=True)
-            for name, _ in outs.items() if (tmp / f"{name}.pt").exists()}
+            for name, _, _ in runs if (tmp / f"{name}.pt").exists()}
 
 
 @pytest.mark.slow
@@ -222,18 +222,22 @@ def test_a_loop_left_after_its_optimizer_step_saves_that_step_as_done(tmp_path: 
     never sees its last step end. Its optimizer step ran: the final checkpoint is of 10
     steps, not 9 (which a later run would resume from, training step 10 twice), and the
     next run goes on from there with the next epoch."""
-    first = _draw_order_runs(tmp_path, [("zip", "zip", {})])["zip"]
+    def life_of(order: str, out: str) -> Life:   # every life resumes from one directory
+        return Life([str(DRAW_ORDER)], outside_env() | {
+            "CKPT": str(tmp_path / "zip"), "OUT": str(tmp_path / out), "ORDER": order})
+
+    # The third: without ctx.restore() first, zip's first draw starts the loader's iterator
+    # before ctx.steps restores: named, with the fix, at the next batch.
+    *runs, late = run_lives([life_of("zip", "first.pt"), life_of("zip", "second.pt"),
+                             life_of("zip-unrestored", "x")])
+    for proc in runs:
+        assert proc.returncode == 0, proc.stderr[-3000:]
+    first, second = (torch.load(tmp_path / name, weights_only=True)
+                     for name in ("first.pt", "second.pt"))
     assert len(first["seen"]) == 10 and first["restored"] is None
-    second = _draw_order_runs(tmp_path, [("zip", "zip", {})])["zip"]
     assert second["restored"] == 10
     assert len(second["seen"]) == 20 and second["seen"][:10] == first["seen"]
     assert sorted(i for ids in second["seen"][10:] for i in ids) == list(range(40))
-    # Without ctx.restore() first, zip's first draw starts the loader's iterator before
-    # ctx.steps restores: named, with the fix, at the next batch.
-    late = subprocess.run([sys.executable, str(DRAW_ORDER)], text=True, capture_output=True,
-                          env=outside_env() | {"CKPT": str(tmp_path / "zip"), "ORDER":
-                                               "zip-unrestored", "OUT": str(tmp_path / "x")},
-                          timeout=120, check=False)
     assert late.returncode == 1, late.stderr[-3000:]
     assert "began before the checkpoint was restored into it" in late.stderr
     assert "call ctx.restore() before drawing the first batch" in late.stderr
@@ -243,17 +247,18 @@ def test_a_resumable_loader_left_untracked_is_named_once(tmp_path: Path) -> None
     """Under rt.main, a ResumableLoader drawn from but not tracked keeps its position in
     no checkpoint: a restart would begin its epoch again. Said once, by rank 0; a tracked
     one is not named."""
-    def stderr_of(name: str, **env: str) -> str:
-        full = outside_env() | {"CKPT": str(tmp_path / name), "ORDER": "steps-first",
-                                "OUT": str(tmp_path / f"{name}.pt"), **env}
-        proc = subprocess.run([sys.executable, str(DRAW_ORDER)], env=full, text=True,
-                              capture_output=True, timeout=120, check=False)
-        assert proc.returncode == 0, proc.stderr[-3000:]
-        return proc.stderr
+    def life_of(name: str, **env: str) -> Life:
+        return Life([str(DRAW_ORDER)], outside_env() | {
+            "CKPT": str(tmp_path / name), "ORDER": "steps-first",
+            "OUT": str(tmp_path / f"{name}.pt"), **env})
 
+    untracked, tracked = run_lives([life_of("untracked", UNTRACKED_DATA="1"),
+                                    life_of("tracked")], together=True)
+    for proc in (untracked, tracked):
+        assert proc.returncode == 0, proc.stderr[-3000:]
     line = "a ResumableLoader is iterated under rt.main but is not tracked"
-    assert stderr_of("untracked", UNTRACKED_DATA="1").count(line) == 1
-    assert line not in stderr_of("tracked")
+    assert untracked.stderr.count(line) == 1
+    assert line not in tracked.stderr
 
 
 def _at_a_terminal(tmp: Path, name: str, presses: int,
