@@ -12,7 +12,10 @@ from typing import Any
 
 import pytest
 from gcs import FaultProxy, GcsEmulator, emulator_binary, start_emulator
-from suite_layout import pytest_collection_modifyitems  # noqa: F401  (a hook: pytest finds it)
+from suite_layout import (  # noqa: F401  (hooks: pytest finds them here)
+    pytest_collection_modifyitems,
+    pytest_xdist_auto_num_workers,
+)
 
 
 @pytest.fixture(scope="session")

@@ -38,19 +38,32 @@ def test_alone(i):
 '''
 
 
+def probe(tmp: Path, *args: str) -> tuple[str, list[list[str]]]:
+    """Run the probe module under pytest-xdist with this layout: its output, and the log
+    of what ran in which process."""
+    (tmp / "test_probe.py").write_text(PROBE)
+    log = tmp / "probe.log"
+    env = {k: v for k, v in os.environ.items() if k != "PYTEST_XDIST_AUTO_NUM_WORKERS"}
+    done = subprocess.run(
+        [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-p", "xdist.plugin",
+         "-p", "suite_layout", "--dist", "loadgroup", *args, "test_probe.py"],
+        cwd=tmp, capture_output=True, text=True, timeout=120, check=False,
+        # Without the other installed plugins (hypothesis, anyio...): 2 s instead of 10.
+        env=env | {"PROBE_LOG": str(log), "PYTEST_DISABLE_PLUGIN_AUTOLOAD": "1",
+                   "PYTHONPATH": os.pathsep.join([str(HERE), env.get("PYTHONPATH", "")])})
+    assert done.returncode == 0, done.stdout + done.stderr
+    return done.stdout, [line.split() for line in log.read_text().splitlines()]
+
+
 def test_tests_sharing_a_module_fixture_run_in_one_process_and_it_runs_once(
         tmp_path: Path) -> None:
-    (tmp_path / "test_probe.py").write_text(PROBE)
-    log = tmp_path / "probe.log"
-    done = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "xdist.plugin",
-         "-p", "suite_layout", "-n", "2", "--dist", "loadgroup", "test_probe.py"],
-        cwd=tmp_path, capture_output=True, text=True, timeout=120, check=False,
-        # Without the other installed plugins (hypothesis, anyio...): 2 s instead of 10.
-        env=dict(os.environ, PROBE_LOG=str(log), PYTEST_DISABLE_PLUGIN_AUTOLOAD="1",
-                 PYTHONPATH=os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")])))
-    assert done.returncode == 0, done.stdout + done.stderr
-    lines = [line.split() for line in log.read_text().splitlines()]
+    _, lines = probe(tmp_path, "-q", "-n", "2")
     setups = [pid for what, pid in lines if what == "setup"]
     assert len(setups) == 1, lines          # two processes would each have run the job
     assert [pid for what, pid in lines if what == "test"] == setups * 6, lines
+
+
+def test_auto_starts_one_process_more_than_the_cores(tmp_path: Path) -> None:
+    out, _ = probe(tmp_path, "-n", "auto", "--maxprocesses", "64")
+    want = len(os.sched_getaffinity(0)) + 1
+    assert f"created: {want}/{want} workers" in out, out
