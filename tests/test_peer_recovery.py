@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 import threading
@@ -260,14 +261,19 @@ def early(tmp_path_factory: pytest.TempPathFactory) -> EarlyRuns:
                SCENARIOS=",".join(EARLY_SCENARIOS), GLOO_SOCKET_IFNAME="lo",
                MASTER_PORTS=",".join(str(free_port()) for _ in EARLY_SCENARIOS))
     worker = HERE / "dist_workers" / "early_restore_worker.py"
+    # Each in a process group of its own, which the scenarios' processes forked from it share:
+    # a scenario that hangs goes with its pair at the timeout.
     procs = [subprocess.Popen([sys.executable, str(worker)], env=env | {"RANK": str(r)},
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-             for r in range(2)]
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                              start_new_session=True) for r in range(2)]
     try:
         outs = [p.communicate(timeout=300)[0].decode(errors="replace") for p in procs]
     finally:
         for p in procs:
-            p.kill()
+            try:
+                os.killpg(p.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass   # the pair and every scenario's process have exited
     results = {name: ([(tmp / name / f"out{r}.txt").read_text(errors="replace")
                        if (tmp / name / f"out{r}.txt").exists() else "(no output)"
                        for r in range(2)], tmp / name) for name in EARLY_SCENARIOS}
