@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 from jobs import assert_same_end, launch_job, the_recovery
+from lives import Life, run_lives
 
 from resilient_train import sigterm
 from resilient_train.checkpoint.directory import (
@@ -200,10 +201,10 @@ def test_a_state_tree_moves_point_to_point_and_is_read_once_between_real_process
     no rank waits for ever, also when a receiver dies mid-stream."""
     env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()),
                WORLD_SIZE="3", RESULT_DIR=str(tmp_path), GLOO_SOCKET_IFNAME="lo")
-    procs = [subprocess.Popen([sys.executable, str(HERE / "dist_workers" / "transfer_worker.py")],
-                              env=env | {"RANK": str(r)}, stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT) for r in range(3)]
-    outs = [p.communicate(timeout=120)[0].decode(errors="replace") for p in procs]
+    procs = run_lives([Life([str(HERE / "dist_workers" / "transfer_worker.py")],
+                            env | {"RANK": str(r)}) for r in range(3)],
+                      together=True, preload=("torch", "torch.distributed"))
+    outs = [p.stdout + p.stderr for p in procs]
     assert [p.returncode for p in procs] == [0, 0, 17], outs   # rank 2 died mid-stream
     sys.path.insert(0, str(HERE / "dist_workers"))
     try:
