@@ -9,8 +9,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import signal
-import subprocess
 import sys
 import threading
 from pathlib import Path
@@ -255,31 +253,22 @@ EARLY_SCENARIOS = ("PLAIN", "FAIL_LAST_SAVE", "FUSED_TORN", "LATE_LOST", "EMA", 
 @pytest.fixture(scope="module")
 def early(tmp_path_factory: pytest.TempPathFactory) -> EarlyRuns:
     """dist_workers/early_restore_worker.py as ranks 0 and 1, once for every scenario the
-    tests below look at (each in a process of its own, forked from the pair): for each,
+    tests below look at, all side by side (lives of one process: tests/lives.py): for each,
     the two ranks' output and the directory of their results."""
     tmp = tmp_path_factory.mktemp("early")
-    env = dict(os.environ, MASTER_ADDR="127.0.0.1", RESULT_DIR=str(tmp),
-               SCENARIOS=",".join(EARLY_SCENARIOS), GLOO_SOCKET_IFNAME="lo",
-               MASTER_PORTS=",".join(str(free_port()) for _ in EARLY_SCENARIOS))
     worker = HERE / "dist_workers" / "early_restore_worker.py"
-    # Each in a process group of its own, which the scenarios' processes forked from it share:
-    # a scenario that hangs goes with its pair at the timeout.
-    procs = [subprocess.Popen([sys.executable, str(worker)], env=env | {"RANK": str(r)},
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                              start_new_session=True) for r in range(2)]
-    try:
-        outs = [p.communicate(timeout=300)[0].decode(errors="replace") for p in procs]
-    finally:
-        for p in procs:
-            try:
-                os.killpg(p.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass   # the pair and every scenario's process have exited
-    results = {name: ([(tmp / name / f"out{r}.txt").read_text(errors="replace")
-                       if (tmp / name / f"out{r}.txt").exists() else "(no output)"
-                       for r in range(2)], tmp / name) for name in EARLY_SCENARIOS}
-    assert [p.returncode for p in procs] == [0, 0], (outs, results)
-    return results
+    lives = []
+    for name in EARLY_SCENARIOS:
+        (tmp / name).mkdir()
+        env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()),
+                   RESULT_DIR=str(tmp / name), CKPT_DIR=str(tmp / name / "ckpt"),
+                   GLOO_SOCKET_IFNAME="lo", **({} if name == "PLAIN" else {name: "1"}))
+        lives += [Life([str(worker)], env | {"RANK": str(r)}) for r in range(2)]
+    procs = run_lives(lives, together=True, timeout=300)
+    outs = [p.stdout + p.stderr for p in procs]
+    assert [p.returncode for p in procs] == [0] * len(lives), outs
+    return {name: (outs[2 * i:2 * i + 2], tmp / name)
+            for i, name in enumerate(EARLY_SCENARIOS)}
 
 
 @pytest.mark.parametrize("scenario", ["PLAIN", "FAIL_LAST_SAVE"])

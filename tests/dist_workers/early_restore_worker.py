@@ -19,17 +19,9 @@ end.
 ``POST_COLLECTIVE=1``: each step all-reduces its loss after ``opt.step()``, as a script
 logging the mean loss does.
 ``EMA=1``: an SWA average of the model (``AveragedModel``, tracked) is updated after each
-optimizer step, which writes its buffer ``n_averaged``; nobody is lost.
-
-``SCENARIOS="PLAIN,EMA,..."`` (``PLAIN``: none of the above) runs each in turn, in a
-process forked for it from this one once it has imported torch (and ``torch._dynamo``, which
-an optimizer's first use imports): a fresh process as far as the library knows, without
-3 s of imports per scenario. ``MASTER_PORTS`` gives each its own port; scenario S writes
-``$RESULT_DIR/S/rankR.pt`` and its output to ``$RESULT_DIR/S/outR.txt``."""
+optimizer step, which writes its buffer ``n_averaged``; nobody is lost."""
 import logging
 import os
-import sys
-import threading
 from dataclasses import asdict
 
 import torch
@@ -145,37 +137,5 @@ def main() -> None:
     dist.destroy_process_group()
 
 
-def fork_each(scenarios: list[str], ports: list[str]) -> str | None:
-    """In the child forked for a scenario: its name, once its environment, output and
-    result directory are set. In this process: None, once every child has ended (exit 1 if
-    one failed)."""
-    import torch._dynamo  # noqa: F401 - imported once here, not in every scenario
-    assert threading.active_count() == 1, "a fork must not copy a running thread's locks"
-    failed = []
-    for name, port in zip(scenarios, ports):
-        result = os.path.join(os.environ["RESULT_DIR"], name)
-        os.makedirs(result, exist_ok=True)
-        pid = os.fork()
-        if pid == 0:
-            os.environ.update(MASTER_PORT=port, RESULT_DIR=result,
-                              CKPT_DIR=os.path.join(result, "ckpt"))
-            if name != "PLAIN":
-                os.environ[name] = "1"
-            out = os.open(os.path.join(result, f"out{os.environ['RANK']}.txt"),
-                          os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
-            os.dup2(out, 1)
-            os.dup2(out, 2)
-            return name
-        _, status = os.waitpid(pid, 0)
-        if os.waitstatus_to_exitcode(status) != 0:
-            failed.append(name)
-    if failed:
-        sys.exit(f"rank {os.environ['RANK']}: scenario(s) {failed} failed")
-    return None
-
-
 if __name__ == "__main__":
-    if "SCENARIOS" not in os.environ:
-        main()
-    elif fork_each(os.environ["SCENARIOS"].split(","), os.environ["MASTER_PORTS"].split(",")):
-        main()   # the child exits as a process does: atexit handlers, buffers flushed
+    main()
