@@ -36,7 +36,7 @@ from .goodput import redone_steps
 from .launcher.events import Event, EventKind, decision_summary, epoch, iso
 from .launcher.record import (
     JOB_FILE,
-    fault_words,
+    causes_words,
     format_bytes,
     mask_command,
     rank_names,
@@ -861,7 +861,7 @@ def _recoveries_section(recoveries: Sequence[Mapping[str, Any]], created: float)
         out.append(f'<tr><td class="num">{n}</td><td class="num">{_esc(when)}</td>'
                    f'<td class="num">{_esc(rec.get("attempt"))}</td>'
                    f'<td class="num">{_esc(rec.get("generation"))}</td>'
-                   f'<td>{_esc(fault_words(rec.get("fault")))}</td>'
+                   f'<td>{_esc(causes_words(rec))}</td>'
                    f'<td class="num">{_esc(rec.get("step"))}</td>'
                    f'<td class="num">{_esc("?" if lost is None else lost)}</td>'
                    f'<td class="num">{_esc("?" if secs is None else f"{float(secs):.2f}")}</td>'

@@ -27,6 +27,7 @@ from resilient_train.launcher.jobrecord import JobRecord
 from resilient_train.launcher.policy import Cause
 from resilient_train.launcher.record import (
     TelemetryLife,
+    describe_recovery,
     job_recoveries,
     rank_names,
     read_job,
@@ -276,6 +277,37 @@ def test_two_faults_before_the_first_restore_are_put_down_to_one_recovery_each()
     recs = job_recoveries(lives, events, [P0, P1, P2])
     assert [(r["generation"], r["fault"]["replica"]) for r in recs] == [(1, P1), (2, P2)]
     assert recs[1]["ranks"][2]["replica"] == P2
+
+
+def test_two_workers_lost_together_are_one_recovery_with_both_causes() -> None:
+    """Four workers; two lost at once, both rejoin generation 1; later two more, both
+    rejoin generation 2. The second of the first pair was once put down to generation 2,
+    and generation 2's own faults to nothing."""
+    def ev(kind: EventKind, t: float, **fields: Any) -> Event:
+        return Event(kind, T0 + t, t, f"{kind.value} {fields}", 1, **fields)
+
+    p3 = "workerpool1-2"
+    events = [e for t, r in ((10.0, P1), (10.1, p3), (20.0, P2), (20.1, P1)) for e in (
+        ev(EventKind.EXITED, t, replica=r, exit_code=137, cause="node_loss"),
+        ev(EventKind.DECISION, t, replica=r, action="restart_worker", cause="node_loss"))]
+
+    def life(replica: str, restart: int, *restores: tuple[float, int]) -> tuple[
+            TelemetryLife, LifeTelemetry]:
+        return (TelemetryLife(1, replica, restart, Path(f"{replica}.{restart}")),
+                LifeTelemetry((), (), tuple(
+                    Restore(T0 + t, 30 * g, "peer" if g else "none", None, g, 0.1, (), "")
+                    for t, g in restores)))
+
+    lives = [life(P0, 0, (1.0, 0), (12.0, 1), (22.0, 2)),
+             life(P1, 0, (1.0, 0)), life(P1, 1, (12.1, 1)), life(P1, 2, (22.3, 2)),
+             life(P2, 0, (1.0, 0), (12.2, 1)), life(P2, 1, (22.1, 2)),
+             life(p3, 0, (1.0, 0)), life(p3, 1, (12.3, 1), (22.2, 2))]
+    recs = job_recoveries(lives, events, [P0, P1, P2, p3])
+    assert [(r["generation"], [f["replica"] for f in r["faults"]], r["fault"]["replica"])
+            for r in recs] == [(1, [P1, p3], P1), (2, [P2, P1], P2)], recs
+    assert [f["exit_code"] for f in recs[1]["faults"]] == [137, 137]
+    assert ("after workerpool1-1 node_loss (exit 137) and workerpool1-0 node_loss (exit 137)"
+            in describe_recovery(2, recs[1]))
 
 
 def test_lives_that_all_start_afresh_are_one_recovery_each() -> None:

@@ -210,17 +210,19 @@ def job_recoveries(lives: Iterable[tuple[TelemetryLife, LifeTelemetry]],
         reached += [(s.t_last if s.t_last is not None else s.t_start, s.last_step)
                     for s in tel.segments]
     order = {name: i for i, name in enumerate(replicas)}
+    at_of = {key: min(r.t for r in by_rank.values()) for key, by_rank in groups.items()}
+    causes = _decisions_by_recovery(events, groups, at_of)
     out: list[dict[str, Any]] = []
-    used: set[int] = set()
-    prev_at, prev_fault_t = -math.inf, None
-    for (attempt, generation, round_), by_rank in sorted(
-            groups.items(), key=lambda kv: (min(r.t for r in kv[1].values()), kv[0])):
-        at = min(r.t for r in by_rank.values())
+    used: set[int] = {i for found in causes.values() for i in found}
+    prev_at = -math.inf
+    for key in sorted(groups, key=lambda k: (at_of[k], k)):
+        attempt, generation, round_ = key
+        by_rank, at = groups[key], at_of[key]
         if attempt == first_attempt and generation == 0 and round_ == 0 and all(
                 r.source == "none" for r in by_rank.values()):
             prev_at = at   # the job's first start: no recovery, but a bound for the next
             continue
-        fault_i = _fault_before(events, at, prev_at, prev_fault_t, used)
+        found = causes.get(key) or _fault_noted(events, at, prev_at, used)
         step = min(r.step for r in by_rank.values())
         # The steps lost: the furthest any rank got between the previous restore and this
         # one (a SIGKILLed life's last step is in its progress record), less the step
@@ -236,38 +238,55 @@ def job_recoveries(lives: Iterable[tuple[TelemetryLife, LifeTelemetry]],
         total: Counter[str] = Counter(dict.fromkeys(RESTORE_TIERS, 0))
         for r in by_rank.values():
             total.update(r.read)
+        faults = [_fault_json(events, i) for i in found]
         out.append({
             "attempt": attempt, "generation": generation, "at": iso(at),
-            "fault": None if fault_i is None else _fault_json(events, fault_i),
+            "fault": faults[0] if faults else None, "faults": faults,
             "step": step,
             "steps_lost": max(0, max(before) - step) if before else None,
             "seconds": round(max(seconds), 3) if seconds else None,
             "ranks": ranks, "bytes_read": dict(total),
         })
         prev_at = at
-        prev_fault_t = None if fault_i is None else events[fault_i].time
     return out
 
 
-def _fault_before(events: Sequence[Event], at: float, prev_at: float,
-                  prev_fault_t: float | None, used: set[int]) -> int | None:
-    """The index of the event that caused the recovery at ``at``: the first decision to go
-    on (restart a worker, retry the job) not already put down to an earlier recovery, after
-    the previous recovery's own cause (or start). Two faults can come before the first
-    restore of either, so the bound is the previous cause, not the previous restore.
-    Without such a decision (the group re-formed on its own), a fault noted since the
-    previous recovery; None when there is neither."""
-    lower = prev_at if prev_fault_t is None else prev_fault_t
+def _decisions_by_recovery(events: Sequence[Event],
+                           groups: Mapping[tuple[int, int, int], Mapping[tuple[str, int | None],
+                                                                        Restore]],
+                           at_of: Mapping[tuple[int, int, int], float],
+                           ) -> dict[tuple[int, int, int], list[int]]:
+    """Each decision to go on (restart a worker, retry the job), as indexes into ``events``,
+    under the recovery it caused: a restarted replica's next restore is in that recovery
+    (two workers lost together both join the next generation, and a second fault before
+    the first one's restore can be a recovery of its own); any other decision, the first
+    recovery after it."""
+    restores = sorted((r.t, name, key) for key, by_rank in groups.items()
+                      for (name, _), r in by_rank.items())
+    by_time = sorted((t, key) for key, t in at_of.items())
+    out: dict[tuple[int, int, int], list[int]] = {}
     for i, e in enumerate(events):
-        if (e.kind is EventKind.DECISION and e.action is not None
-                and e.action not in _ENDING_ACTIONS and lower < e.time <= at and i not in used):
-            used.add(i)
-            return i
+        if e.kind is not EventKind.DECISION or e.action is None or e.action in _ENDING_ACTIONS:
+            continue
+        key = next((k for t, name, k in restores
+                    if t > e.time and name == e.replica and e.action == "restart_worker"),
+                   None)
+        if key is None:
+            key = next((k for t, k in by_time if t > e.time), None)
+        if key is not None:
+            out.setdefault(key, []).append(i)
+    return out
+
+
+def _fault_noted(events: Sequence[Event], at: float, prev_at: float,
+                 used: set[int]) -> list[int]:
+    """A recovery that no decision caused (the group re-formed on its own): the first fault
+    noted since the previous recovery, if any."""
     for i, e in enumerate(events):
         if e.kind in _FAULT_KINDS and prev_at < e.time <= at and i not in used:
             used.add(i)
-            return i
-    return None
+            return [i]
+    return []
 
 
 def _fault_json(events: Sequence[Event], i: int) -> dict[str, Any]:
@@ -324,6 +343,15 @@ def fault_words(fault: Mapping[str, Any] | None) -> str:
     return what
 
 
+def causes_words(rec: Mapping[str, Any]) -> str:
+    """A recovery's causes for a person: each fault (two workers lost together are one
+    recovery), as :func:`fault_words` says it. A record an older version wrote has only
+    ``fault``."""
+    faults = rec.get("faults") or [rec.get("fault")]
+    words = [fault_words(f) for f in faults]
+    return words[0] if len(words) == 1 else ", ".join(words[:-1]) + " and " + words[-1]
+
+
 def rank_names(rec: Mapping[str, Any]) -> list[str]:
     """A name for each of a recovery's ``ranks``: its replica's, and its rank where the
     replica runs several processes (``workerpool1-0 rank 1``)."""
@@ -349,7 +377,7 @@ def describe_recovery(n: int, rec: Mapping[str, Any], created: str | None = None
         when = f" at +{t - t0:.1f} s"
     lost = rec.get("steps_lost")
     line = (f"recovery {n}: attempt {rec.get('attempt')} gen {rec.get('generation')}{when} "
-            f"after {fault_words(rec.get('fault'))}: step {rec.get('step')}")
+            f"after {causes_words(rec)}: step {rec.get('step')}")
     if lost is not None:
         line += f" (lost {lost} step{'' if lost == 1 else 's'})"
     if rec.get("seconds") is not None:
