@@ -310,6 +310,30 @@ def test_two_workers_lost_together_are_one_recovery_with_both_causes() -> None:
             in describe_recovery(2, recs[1]))
 
 
+def test_a_job_retry_is_the_cause_of_the_next_attempts_recovery() -> None:
+    """The primary exits 134 (a retry); before the retry stops it, the other worker
+    re-forms on its own in the old attempt. The retry caused the next attempt's restore."""
+    def ev(kind: EventKind, t: float, attempt: int = 1, **fields: Any) -> Event:
+        return Event(kind, T0 + t, t, f"{kind.value} {fields}", attempt, **fields)
+
+    events = [ev(EventKind.EXITED, 10.0, replica=P0, exit_code=134, cause="exit"),
+              ev(EventKind.DECISION, 10.0, replica=P0, action="retry_job", cause="exit")]
+
+    def life(attempt: int, replica: str, *restores: tuple[float, int, int]) -> tuple[
+            TelemetryLife, LifeTelemetry]:
+        return (TelemetryLife(attempt, replica, 0, Path(f"{attempt}.{replica}")),
+                LifeTelemetry((), (), tuple(
+                    Restore(T0 + t, step, "persistent" if step else "none", None, g, 0.1,
+                            (), "") for t, g, step in restores)))
+
+    lives = [life(1, P0, (1.0, 0, 0)), life(1, P1, (1.0, 0, 0), (10.4, 1, 20)),
+             life(2, P0, (14.0, 0, 20)), life(2, P1, (14.1, 0, 20))]
+    recs = job_recoveries(lives, events, [P0, P1])
+    assert [(r["attempt"], r["generation"], [f["action"] for f in r["faults"]])
+            for r in recs] == [(1, 1, []), (2, 0, ["retry_job"])], recs
+    assert describe_recovery(1, recs[0]).split(": step")[0].endswith("no fault recorded")
+
+
 def test_lives_that_all_start_afresh_are_one_recovery_each() -> None:
     """A single worker restarted twice, or every worker under restartJobOnWorkerRestart:
     each new life starts at generation 0 of the same attempt. Keyed by (attempt,

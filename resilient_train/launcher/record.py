@@ -269,10 +269,13 @@ def _decisions_by_recovery(events: Sequence[Event],
         if e.kind is not EventKind.DECISION or e.action is None or e.action in _ENDING_ACTIONS:
             continue
         key = next((k for t, name, k in restores
-                    if t > e.time and name == e.replica and e.action == "restart_worker"),
-                   None)
+                    if t > e.time and name == e.replica and e.action == "restart_worker"
+                    and e.attempt in (None, k[0])), None)
         if key is None:
-            key = next((k for t, k in by_time if t > e.time), None)
+            # A job retry's recovery is the next attempt's (a survivor may still re-form
+            # in the old attempt before the retry stops it).
+            after = e.attempt if e.action == "retry_job" and e.attempt is not None else -1
+            key = next((k for t, k in by_time if t > e.time and k[0] > after), None)
         if key is not None:
             out.setdefault(key, []).append(i)
     return out
