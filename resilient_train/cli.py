@@ -147,7 +147,8 @@ def _parser() -> argparse.ArgumentParser:
     lp.add_argument("--chaos", default="", metavar="SPEC",
                     help="faults to inject: KIND[:REPLICA]@TIME[/GRACE] or KIND~MEAN[xCOUNT], "
                     "comma-separated, or @FILE; kinds: kill, maintenance, preempt, oom, "
-                    "stockout, internal, hang (hang:1@step40+30s), slow (slow:1@20s+60s*0.25)")
+                    "stockout, internal, hang (hang:1@step40+30s), slow (slow:1@20s+60s*0.25), "
+                    "wipe and corrupt (the replica's node-local disk)")
     lp.add_argument("--chaos-seed", type=int, default=0)
     lp.add_argument("--policy", type=Path,
                     help="restart policy JSON file (default: the platform's)")
