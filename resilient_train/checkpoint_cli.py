@@ -39,16 +39,37 @@ def _size(n: int | None) -> str:
     return str(n)
 
 
-def _row(info: StepInfo) -> dict[str, Any]:
+@dataclasses.dataclass(frozen=True)
+class Tier:
+    """One directory of checkpoints to list: the persistent one, or a replica's node-local
+    disk (``replica`` set)."""
+
+    storage: Storage
+    replica: str | None = None
+
+    def describe(self) -> str:
+        return f"node-local tier of {self.replica}: {self.storage.url}"
+
+
+def _row(info: StepInfo, tier: Tier) -> dict[str, Any]:
     return {"step": info.step, "name": info.name, "committed": info.committed, "ok": info.ok,
             "created": info.created, "world_size": info.world_size,
-            "size_bytes": info.size_bytes, "problems": list(info.problems)}
+            "size_bytes": info.size_bytes, "problems": list(info.problems),
+            "tier": "persistent" if tier.replica is None else "node-local",
+            "replica": tier.replica, "directory": tier.storage.url}
 
 
-def _print(infos: list[StepInfo], as_json: bool) -> None:
+def _print(listed: list[tuple[Tier, list[StepInfo]]], as_json: bool) -> None:
     if as_json:
-        print(json.dumps([_row(i) for i in infos], indent=2))
+        print(json.dumps([_row(i, tier) for tier, infos in listed for i in infos], indent=2))
         return
+    for tier, infos in listed:
+        if tier.replica is not None:
+            print(f"\n{tier.describe()}")
+        _print_table(infos)
+
+
+def _print_table(infos: list[StepInfo]) -> None:
     if not infos:
         print("no checkpoints")
         return
@@ -85,28 +106,51 @@ def _checkpoint_dir(directory: str) -> str:
     return found
 
 
+def _node_local_tiers(directory: str) -> list[Tier]:
+    """A launcher job's node-local tiers, where they hold a step: each replica's machine's
+    disk (``machines/REPLICA/vm/local/checkpoints``, as ``rt.NodeLocal()`` puts it, and its
+    ``rankNNNNN`` directories where several processes share the machine). A NodeLocal
+    given a directory of its own is not found here: list that directory."""
+    if "://" in directory or not (Path(directory) / JOB_FILE).is_file():
+        return []
+    tiers = []
+    for root in sorted(Path(directory).glob("machines/*/vm/local/checkpoints")):
+        replica = root.parts[-4]
+        for path in [root, *sorted(root.glob("rank[0-9]*"))]:
+            storage = Storage(str(path))
+            if scan(storage, with_manifest=False):
+                name = replica if path == root else f"{replica} {path.name}"
+                tiers.append(Tier(storage, name))
+    return tiers
+
+
 def run_checkpoints(args: argparse.Namespace) -> int:
     try:
         storage = Storage(_checkpoint_dir(args.directory))
         storage.check_readable()   # "no checkpoints" must mean that, not a typo in the path
-        infos = scan(storage)
+        tiers = [Tier(storage)]
+        if args.action != "prune":   # the library keeps the node-local tier's own count
+            tiers += _node_local_tiers(args.directory)
         if args.action == "list":
             # The cheap checks (files present, sizes as the manifest says); verify reads
             # every byte for the checksums.
-            _print([_structurally_checked(storage, i) for i in infos], args.json)
+            _print([(t, [_structurally_checked(t.storage, i) for i in scan(t.storage)])
+                    for t in tiers], args.json)
             return EXIT_OK
         if args.action == "verify":
-            chosen = [i for i in infos if args.step is None or i.step == args.step]
-            if args.step is not None and not chosen:
+            chosen = [(t, [i for i in scan(t.storage) if args.step is None or i.step == args.step])
+                      for t in tiers]
+            if args.step is not None and not any(infos for _, infos in chosen):
                 print(f"resilient-train checkpoints: error: no step {args.step} in "
                       f"{storage.url}", file=sys.stderr)
                 return EXIT_USAGE
             # Uncommitted steps too: a step whose marker is gone is skipped by restore, and
             # a verify that passes over it in silence would report a healthy directory.
             # Temporary directories (a save in progress, or crashed) are listed, not failed.
-            checked = [verify_step(storage, i) for i in chosen]
+            checked = [(t, [verify_step(t.storage, i) for i in infos]) for t, infos in chosen]
             _print(checked, args.json)
-            failed = [i for i in checked if not i.ok and not i.name.startswith(TMP_PREFIX)]
+            failed = [i for _, infos in checked for i in infos
+                      if not i.ok and not i.name.startswith(TMP_PREFIX)]
             return EXIT_PROBLEMS if failed else EXIT_OK
         retention = RetentionPolicy(keep_last=args.keep_last,
                                     milestone_every_steps=args.milestone_every_steps)

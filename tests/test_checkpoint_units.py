@@ -199,6 +199,46 @@ def test_cli_finds_a_launcher_jobs_checkpoints_from_its_job_directory(
     assert f"its checkpoints are in {output}/checkpoints" in captured.err
 
 
+def test_cli_lists_and_verifies_a_jobs_node_local_tiers_too(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A launcher job with rt.NodeLocal: each replica's machine's disk is a tier of its own
+    (a machine of several processes: one directory per rank), and a corrupt copy there,
+    which a restore skips, fails verify, naming the replica."""
+    job_dir = tmp_path / "job"
+    (job_dir / "output").mkdir(parents=True)
+    saved_dir(tmp_path / "persistent").rename(job_dir / "output" / "checkpoints")
+    (job_dir / "job.json").write_text(json.dumps(
+        {"name": "job", "job_spec": {"base_output_directory": str(job_dir / "output")}}))
+    machines = job_dir / "machines"
+    for where in ("workerpool0-0/vm/local/checkpoints",
+                  "workerpool1-0/vm/local/checkpoints/rank00001"):
+        (machines / where).parent.mkdir(parents=True, exist_ok=True)
+        saved_dir(tmp_path / where.replace("/", "-")).rename(machines / where)
+    (machines / "workerpool1-1" / "vm" / "local").mkdir(parents=True)   # wiped: nothing
+
+    assert cli.main(["checkpoints", "list", str(job_dir), "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    assert [(r["tier"], r["replica"], r["step"]) for r in rows] == [
+        ("persistent", None, s) for s in (2, 3, 4)] + [
+        ("node-local", "workerpool0-0", s) for s in (2, 3, 4)] + [
+        ("node-local", "workerpool1-0 rank00001", s) for s in (2, 3, 4)]
+
+    shard = machines / "workerpool0-0/vm/local/checkpoints" / step_dirname(4) / "shared.pt"
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    assert cli.main(["checkpoints", "verify", str(job_dir)]) == 1
+    out = capsys.readouterr().out
+    tiers = out.split("\nnode-local tier of ")
+    assert len(tiers) == 3 and "CORRUPT" not in tiers[0] and "CORRUPT" not in tiers[2]
+    assert tiers[1].startswith(f"workerpool0-0: {machines}/workerpool0-0/vm/local/checkpoints")
+    assert "CORRUPT" in tiers[1] and "checksum mismatch" in tiers[1]
+    # prune is the persistent tier's alone: the library keeps the node-local count.
+    assert cli.main(["checkpoints", "prune", str(job_dir), "--keep-last", "1"]) == 0
+    capsys.readouterr()
+    assert len(list((machines / "workerpool0-0/vm/local/checkpoints").iterdir())) == 3
+
+
 @pytest.mark.parametrize("action", ["list", "verify", "prune"])
 def test_cli_on_a_path_that_is_not_there_is_an_error(
         tmp_path: Path, capsys: pytest.CaptureFixture[str], action: str) -> None:
