@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import math
+import re
 
-__all__ = ["first_line", "format_duration"]
+__all__ = ["error_line", "first_line", "format_duration"]
 
 
 def first_line(what: BaseException | str | None, *, limit: int = 200) -> str:
@@ -19,6 +20,27 @@ def first_line(what: BaseException | str | None, *, limit: int = 200) -> str:
         text = what
     line = next((ln.strip() for ln in text.splitlines() if ln.strip()), "")
     return line if len(line) <= limit else line[:limit - 3] + "..."
+
+
+# What gloo's errors begin with (the C++ source of the error) and the advice torch appends
+# to them: in a one-line summary they crowd out what happened.
+_CPP_LOCATION = re.compile(r"\[[^\]\s]*\.(?:cc|cpp|cu|h|hpp):[0-9]+\]\s*")
+_TORCH_ADVICE = re.compile(r"\.?\s*This is typically caused by .*", re.DOTALL)
+
+
+def error_line(what: BaseException | str, *, limit: int = 200) -> str:
+    """:func:`first_line` of an error, less a leading C++ source location and torch's
+    advice: ``RuntimeError: Connection closed by peer [127.0.0.1]:22428`` for gloo's
+    ``[/__w/.../pair.cc:553] Connection closed by peer [127.0.0.1]:22428. This is
+    typically caused by a remote worker crashing. Check the logs ...``."""
+    text = str(what)
+    location = _CPP_LOCATION.match(text)
+    if location is None or not _TORCH_ADVICE.sub("", text[location.end():]).strip():
+        return first_line(what, limit=limit)
+    text = _TORCH_ADVICE.sub("", text[location.end():])
+    if isinstance(what, BaseException):
+        text = f"{type(what).__name__}: {text}"
+    return first_line(text, limit=limit)
 
 
 def format_duration(seconds: float, *, fixed: bool = False) -> str:

@@ -53,6 +53,11 @@ def test_the_readme_main_job_recovers_from_a_killed_worker(tmp_path: Path) -> No
         assert any(e.get("cause") == "node_loss" for e in job["events"] if e["kind"] == "exited")
         assert len(job["attempts"]) == 1           # no job retry: recovered by a worker restart
         assert "process group re-formed at generation 1" in out
+        # The survivor's line says what happened, as the README shows it: not gloo's C++
+        # source file nor torch's advice to read the other worker's log.
+        ended = re.search(r"generation 0 ended \((.*)\); re-forming the process group", out)
+        assert ended and ".cc:" not in ended.group(1) and "typically" not in ended.group(1), \
+            out[-3000:]
         # The README says so: from the survivor's memory, at the step the kill landed in
         # (the primary had finished step 85: the killed worker was in step 86 or 87).
         resumed = re.findall(r"rank (\d): resumed from step (\d+) \(from (.*?)\)", out)

@@ -33,6 +33,7 @@ from resilient_train.errors import (
     traceback_excerpt,
     write_error_report,
 )
+from resilient_train.text import error_line, first_line
 
 
 @pytest.fixture(autouse=True)
@@ -143,6 +144,26 @@ def test_collective_failures_from_a_lost_peer_are_transient() -> None:
     assert classify_exception(nccl) is Classification.TRANSIENT
     # A ValueError mentioning a connection is still a bug: only RuntimeErrors are read.
     assert classify_exception(ValueError("connection reset by peer")) is Classification.PERMANENT
+
+
+def test_a_lost_peers_error_reads_in_one_line_without_gloos_source_and_advice() -> None:
+    """The launcher's line for a re-forming (``generation 0 ended (...)``) says what
+    happened, not gloo's C++ file or torch's advice on reading the other worker's log."""
+    gloo = RuntimeError(
+        "[/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:537] Read error "
+        "[127.0.0.1]:5547: Connection reset by peer. This is typically caused by a remote "
+        "worker hanging or bugs in the application. Check the logs of the remote worker "
+        "before reporting an error. GLHF! \U0001f3d6\ufe0f")
+    assert error_line(gloo) == ("RuntimeError: Read error [127.0.0.1]:5547: Connection reset "
+                                "by peer")
+    assert error_line(str(gloo)) == "Read error [127.0.0.1]:5547: Connection reset by peer"
+    closed = RuntimeError("[../third_party/gloo/gloo/transport/tcp/pair.cc:534] "
+                          "Connection closed by peer [127.0.0.1]:41123")
+    assert error_line(closed) == "RuntimeError: Connection closed by peer [127.0.0.1]:41123"
+    # Anything else reads as first_line has it: advice in a message of its own stays.
+    other = ValueError("shapes [3] and [4] differ. This is typically caused by a bad batch")
+    assert error_line(other) == first_line(other)
+    assert error_line(RuntimeError("[pair.cc:1] ")) == "RuntimeError: [pair.cc:1]"
 
 
 def test_an_explicit_cause_decides_but_an_error_while_handling_does_not() -> None:

@@ -70,7 +70,8 @@ def _definitions(*, top_level: bool) -> dict[str, list[str]]:
 
 def test_each_small_helper_is_defined_once() -> None:
     defs = _definitions(top_level=True)
-    for name in ("first_line", "format_duration", "exception_chain", "observed_mtbf",
+    for name in ("first_line", "error_line", "format_duration", "exception_chain",
+                 "observed_mtbf",
                  "replica_name", "process_start_time", "classify_exit", "error_for"):
         assert len(defs.get(name, [])) == 1, (name, defs.get(name))
     # The copies they replaced are gone, methods included.

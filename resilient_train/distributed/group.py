@@ -31,7 +31,7 @@ from typing import Any, Literal, TypeVar
 from .. import sigterm
 from ..cluster import ClusterInfo, replica_name, training_replica
 from ..errors import PEER_LOST_MESSAGES, exception_chain, exit_transient
-from ..text import first_line
+from ..text import error_line
 from .errors import DistributedConfigError, PeerRestartedError, RendezvousTimeoutError
 from .hang import HangWatchdog, report_and_exit
 from .rendezvous import Rendezvous
@@ -249,7 +249,7 @@ class DistributedGroup:
                 if self.world_size == 1 or not (self._peer_lost.is_set()
                                                 or is_peer_failure(exc)):
                     raise
-                reason = first_line(exc)
+                reason = error_line(exc)
             # Out of the except block, the exception's traceback and with it fn's frames
             # (DDP, the checkpoint manager: whatever holds the process group) are freed, so
             # destroying the group really closes its sockets. A survivor blocked in a
@@ -261,7 +261,7 @@ class DistributedGroup:
     def recover(self, cause: BaseException | str) -> None:
         """Tear the process group down and re-form it at the next generation (or, with
         ``on_peer_restart="exit"``, exit with the transient code)."""
-        reason = self._peer_reason or first_line(cause)
+        reason = self._peer_reason or error_line(cause)
         if sigterm.received():
             # Being stopped (a preemption, a job retry): the peers are too, so re-forming
             # would wait for nobody until the grace period's SIGKILL.
@@ -351,7 +351,7 @@ class DistributedGroup:
                 # The primary (and its store) went away while we waited: it restarts and
                 # hosts a new store; wait for that one, within the same deadline.
                 logger.warning("%s: lost the rendezvous store while forming (%s); "
-                               "reconnecting", self.replica_name, first_line(exc))
+                               "reconnecting", self.replica_name, error_line(exc))
                 self._rdzv.store = None
                 continue
             kwargs: dict[str, Any] = {}
@@ -367,7 +367,7 @@ class DistributedGroup:
                     raise
                 # A member died while the mesh connected: try the next generation.
                 logger.warning("%s: forming generation %d failed (%s); trying again",
-                               self.replica_name, gen, first_line(exc))
+                               self.replica_name, gen, error_line(exc))
                 self._destroy_pg()
                 if not self._store_alive():
                     self._rdzv.store = None
@@ -484,7 +484,7 @@ class DistributedGroup:
                     return
                 reason = (f"lost the rendezvous store at {self.info.master_addr}:"
                           f"{self.info.master_port}: the primary {self.name_of(0)} stopped or "
-                          f"restarted ({first_line(exc)})")
+                          f"restarted ({error_line(exc)})")
             self._flag(reason)
             self._leave_if_stuck(reason, stop)
             return
