@@ -267,14 +267,17 @@ class DistributedGroup:
             # would wait for nobody until the grace period's SIGKILL.
             self._stop_watcher()
             self._destroy_pg()
+            # Planned, as a SIGTERM's emergency save is: one line, the stack in the report.
             exit_transient(f"SIGTERM while the process group was failing ({reason}); "
                            f"exiting instead of re-forming it",
-                           exc=cause if isinstance(cause, BaseException) else None)
+                           exc=cause if isinstance(cause, BaseException) else None,
+                           one_line=True)
         if self.options.on_peer_restart == "exit" or self.world_size == 1:
             self._stop_watcher()
             self._destroy_pg()
             exit_transient(f"a peer of the process group went away: {reason}",
-                           exc=cause if isinstance(cause, BaseException) else None)
+                           exc=cause if isinstance(cause, BaseException) else None,
+                           one_line=self.options.on_peer_restart == "exit")   # as asked
         self.recoveries += 1
         if self.recoveries > self.options.max_recoveries:
             raise PeerRestartedError(
