@@ -1,5 +1,5 @@
 """How the suite is spread over processes (pytest-xdist's ``--dist loadgroup``, set in
-pyproject.toml): one process more than the machine has cores, the tests that share a
+pyproject.toml): twice as many processes as the machine has cores, the tests that share a
 module-scoped fixture in one process, and the longest first. A plugin of its own
 (conftest.py imports its hooks) so that a test can run it against a probe module
 (tests/test_suite_layout.py).
@@ -22,13 +22,14 @@ from _pytest.fixtures import FixtureDef
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_xdist_auto_num_workers(config: pytest.Config) -> int | None:
-    """``-n auto``: one process more than the cores this process may use (at most
-    ``--maxprocesses``). Many tests spend seconds waiting (a timeout, a restart, a step's
-    sleep) with a core idle; on 2 cores the suite took 651 s in 2 processes, 610 s in 3.
-    PYTEST_XDIST_AUTO_NUM_WORKERS, where set, is pytest-xdist's to read."""
+    """``-n auto``: twice the cores this process may use (at most ``--maxprocesses``).
+    Many tests spend seconds waiting (a timeout, a restart, a step's sleep) with a core
+    idle; on 2 cores the suite took 651 s in 2 processes, 610-622 s in 3 (1.7 of the 2
+    cores busy) and 574-607 s in 4. PYTEST_XDIST_AUTO_NUM_WORKERS, where set, is
+    pytest-xdist's to read."""
     if os.environ.get("PYTEST_XDIST_AUTO_NUM_WORKERS"):
         return None
-    return len(os.sched_getaffinity(0)) + 1
+    return 2 * len(os.sched_getaffinity(0))
 
 
 def _module_fixtures(item: pytest.Item) -> bool:

@@ -63,7 +63,7 @@ def test_tests_sharing_a_module_fixture_run_in_one_process_and_it_runs_once(
     assert [pid for what, pid in lines if what == "test"] == setups * 6, lines
 
 
-def test_auto_starts_one_process_more_than_the_cores(tmp_path: Path) -> None:
+def test_auto_starts_twice_as_many_processes_as_the_cores(tmp_path: Path) -> None:
     out, _ = probe(tmp_path, "-n", "auto", "--maxprocesses", "64")
-    want = len(os.sched_getaffinity(0)) + 1
+    want = 2 * len(os.sched_getaffinity(0))
     assert f"created: {want}/{want} workers" in out, out
