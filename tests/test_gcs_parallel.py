@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import itertools
 import json
+import logging
 import posixpath
+import re
 import threading
 from typing import Any, ClassVar
 
@@ -19,9 +21,15 @@ import pytest
 import torch
 
 from resilient_train import cli
+from resilient_train.checkpoint import manager as manager_mod
 from resilient_train.checkpoint import storage as storage_mod
 from resilient_train.checkpoint import storage_fsspec
-from resilient_train.checkpoint.directory import SHARED_FILE, read_manifest, scan, verify_step
+from resilient_train.checkpoint.directory import (
+    SHARED_FILE,
+    read_manifest,
+    scan,
+    verify_step,
+)
 from resilient_train.checkpoint.fileio import PartBuffers
 from resilient_train.checkpoint.manager import CheckpointManager, CheckpointOptions
 from resilient_train.checkpoint.manifest import CorruptCheckpointError
@@ -270,6 +278,70 @@ def test_a_restore_reads_an_object_into_one_buffer_that_the_tensors_view(
                 loader.load_verified(st, info.name, SHARED_FILE, manifest)
     finally:
         st.fs.rm(st.root, recursive=True)
+
+
+def test_a_long_restore_says_how_far_it_has_got(gcs_bucket: Any, gcs_proxy: Any,
+                                                 monkeypatch: pytest.MonkeyPatch,
+                                                 caplog: pytest.LogCaptureFixture) -> None:
+    """A restore that takes a while (tens of GB from a bucket: minutes) logs how much of
+    the state has come in, of how much and how fast, and a closing line. One ranged read
+    of the state (64 KiB of 2.5 MiB) is held at the proxy until such a line has been
+    logged, so that line shows a restore part-way."""
+    options = {"endpoint_url": gcs_proxy.endpoint, "token": "anon",
+               "transfer": _options(gcs_bucket)["transfer"]}
+    url = f"{gcs_bucket.url}/progress"
+    net = Net(seed=8)
+    caplog.set_level(logging.INFO, logger=manager_mod.__name__)
+    with CheckpointManager(url, options=CheckpointOptions(
+            async_save=False, retry=FAST, storage_options=options)) as mgr:
+        mgr.track(model=net)
+        mgr.save(1)
+    with CheckpointManager(url, options=CheckpointOptions(
+            async_save=False, retry=FAST, storage_options=options)) as mgr:
+        mgr.track(model=Net(seed=9))
+        assert mgr.restore_latest() == 1       # a restore of a second says nothing more
+    assert [r.getMessage() for r in caplog.records
+            if r.getMessage().startswith("restored checkpoint step 1 from gs://")]
+    assert not [r for r in caplog.records if r.getMessage().startswith("restoring step")]
+    size = mgr.storage.size(f"{scan(mgr.storage)[0].name}/{SHARED_FILE}")
+
+    monkeypatch.setattr(manager_mod, "PROGRESS_AFTER_S", 0.05)
+    monkeypatch.setattr(manager_mod, "PROGRESS_EVERY_S", 0.05)
+
+    gate = threading.Event()
+
+    class Release(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            line = record.getMessage()   # the total known: the state is being read
+            if line.startswith("restoring step 1 from") and " of " in line:
+                gate.set()
+
+    release = Release()
+    manager_mod.log.addHandler(release)
+    gcs_proxy.inject(gate, count=1, method="GET", path=r"shared\.pt.*alt=media")
+    try:
+        again = Net(seed=9)
+        with CheckpointManager(url, options=CheckpointOptions(
+                async_save=False, retry=FAST, storage_options=options)) as mgr:
+            mgr.track(model=again)
+            assert mgr.restore_latest() == 1
+    finally:
+        manager_mod.log.removeHandler(release)
+        gate.set()
+    assert [e.outcome for e in gcs_proxy.events].count("held") == 1
+    assert all(torch.equal(again.state_dict()[k], v) for k, v in net.state_dict().items())
+    lines = [r.getMessage() for r in caplog.records
+             if r.getMessage().startswith("restoring step 1 from")]
+    # Before the manifest is read the total is not known: "... so far (...)".
+    head = r"restoring step 1 from gs://\S+/step-0+1\S*: "
+    early = [ln for ln in lines if re.fullmatch(head + r"[0-9.]+ \S+ so far \(.*/s\)", ln)]
+    shown = [m for m in (re.fullmatch(head + r"([0-9.]+) (B|KiB|MiB) of ([0-9.]+) MiB "
+                                       r"\(([0-9]+)%, [0-9.]+ \S+/s\)", ln) for ln in lines) if m]
+    assert len(early) + len(shown) == len(lines) - 1, lines
+    assert shown and int(shown[0].group(4)) < 100, lines     # part-way, held at the proxy
+    assert {m.group(3) for m in shown} == {f"{size / 2**20:.1f}"}, (lines, size)
+    assert re.fullmatch(head + rf"done, {size / 2**20:.1f} MiB in [0-9]+ s \(.*/s\)",
+                        lines[-1]), lines
 
 
 def test_open_write_and_reads_at_part_boundaries(gcs_bucket: Any) -> None:

@@ -78,6 +78,7 @@ from .policy import (
     resolve_mtbf,
     with_ceiling,
 )
+from .progress import Progress
 from .readonce import read_once
 from .recovery_plan import Plan, Recovered, carry_out, loads_rank_state, plan
 from .retention import RetentionPolicy
@@ -106,6 +107,10 @@ log = logging.getLogger(__name__)
 
 # How often a wait for the save in flight looks for a SIGTERM that came meanwhile.
 SIGTERM_POLL_S = 0.1
+
+# A restore from storage says how far it has got once it has taken this long, and again
+# this often: silence for the minutes of a large one reads as a hang.
+PROGRESS_AFTER_S = PROGRESS_EVERY_S = 15.0
 
 # How long a peer-ring neighbour may take to connect, or to send its state at a step:
 # as long as a collective may take (DistributedOptions.collective_timeout_s's default).
@@ -1075,24 +1080,33 @@ class CheckpointManager:
         problems: list[str] = []
         for step, name in sorted(names, reverse=True):
             loaded: tuple[Manifest, dict[str, Any], dict[str, Any] | None] | None = None
-            try:
-                loaded = self._load_step(step, name)
-            except CorruptCheckpointError as exc:
-                problems.append(str(exc))
-            # Every rank must restore the same step: one rank's bad file skips it for all.
-            if self.coord.allreduce_max([0 if loaded else 1])[0] == 0 and loaded is not None:
-                manifest, shared, mine = loaded
+            # A restore of tens of GB takes minutes: the primary, which reads the
+            # replicated state for every rank, says how far it has got.
+            progress = Progress(f"restoring step {step} from {self.storage.url_of(name)}",
+                                lambda: self.storage.bytes_moved,
+                                after_s=PROGRESS_AFTER_S if self.is_primary else math.inf,
+                                every_s=PROGRESS_EVERY_S, log=log)
+            with progress:
                 try:
-                    shared = self._share(name, manifest, shared)
-                except CorruptCheckpointError as exc:   # raised alike on every rank
+                    loaded = self._load_step(step, name, progress)
+                except CorruptCheckpointError as exc:
                     problems.append(str(exc))
-                else:
-                    if mine is None:
-                        mine = self._values_of_rank_0(manifest)
-                    if self.is_primary and manifest.world_size > self.world_size:
-                        self._say_ranks_dropped(manifest)
-                    return _FromStorage(self._storage_record(step, reason), manifest, name,
-                                        shared, mine)
+                # Every rank must restore the same step: one rank's bad file skips it for
+                # all.
+                if self.coord.allreduce_max([0 if loaded else 1])[0] == 0 and \
+                        loaded is not None:
+                    manifest, shared, mine = loaded
+                    try:
+                        shared = self._share(name, manifest, shared)
+                    except CorruptCheckpointError as exc:   # raised alike on every rank
+                        problems.append(str(exc))
+                    else:
+                        if mine is None:
+                            mine = self._values_of_rank_0(manifest)
+                        if self.is_primary and manifest.world_size > self.world_size:
+                            self._say_ranks_dropped(manifest)
+                        return _FromStorage(self._storage_record(step, reason), manifest,
+                                            name, shared, mine)
             self.known.bad.add(name)
             log.warning("checkpoint %s does not verify%s; trying the previous one",
                         self.storage.url_of(name), f": {problems[-1]}" if problems else
@@ -1173,10 +1187,15 @@ class CheckpointManager:
         else:
             log.info("no checkpoint in %s: starting from step 0", self.storage.url)
 
-    def _load_step(self, step: int, name: str
+    def _load_step(self, step: int, name: str, progress: Progress
                    ) -> tuple[Manifest, dict[str, Any], dict[str, Any] | None]:
         where = self.storage.url_of(name)
         manifest = read_manifest(self.storage, name, step)
+        if manifest.layout != SHARDED_LAYOUT:   # what this rank reads: the primary the most
+            progress.total = sum(manifest.files[f].size for f in (SHARED_FILE,
+                                                                  rank_file(self.rank))
+                                 if f in manifest.files and (f != SHARED_FILE
+                                                             or self.is_primary))
         present = set(list_files(self.storage, name))
         problems = manifest_problems(manifest, present, self.storage, name)
         if problems:

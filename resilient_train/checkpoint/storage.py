@@ -64,6 +64,7 @@ import os
 import posixpath
 import shutil
 import tempfile
+import threading
 import time
 import uuid
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
@@ -355,6 +356,8 @@ class Storage:
                  object_store_mounts: Sequence[str] = DEFAULT_OBJECT_STORE_MOUNTS) -> None:
         _check_url(url)
         self._retry = retry
+        self._moved = 0   # bytes read and written so far (progress lines): _retrying's
+        self._moved_lock = threading.Lock()
         self._url, self._root = self._open(url, dict(storage_options or {}))
         logger.debug("storage %s: %s, local=%s atomic_rename=%s", self._url,
                      type(self).__name__, self.is_local, self.atomic_rename)
@@ -567,13 +570,23 @@ class Storage:
                             retry=retry_if_exception(is_transient), reraise=True,
                             before_sleep=before_sleep)
         try:
-            return retrying(attempt)
+            out = retrying(attempt)
         except Exception as exc:
             translated = self._translate(exc, op, rel, attempts, time.monotonic() - start,
                                          since=start)
             if translated is exc:
                 raise
             raise translated from exc
+        if nbytes:
+            with self._moved_lock:
+                self._moved += nbytes
+        return out
+
+    @property
+    def bytes_moved(self) -> int:
+        """Bytes of the reads and writes done so far (each part of a parallel transfer as
+        it lands): what a progress line counts."""
+        return self._moved
 
     def _translate(self, exc: Exception, op: str, rel: str, attempts: int,
                    elapsed: float, *, since: float | None = None) -> Exception:
