@@ -15,6 +15,7 @@ import logging
 import posixpath
 import re
 import threading
+from collections.abc import Callable, Iterator
 from typing import Any, ClassVar
 
 import pytest
@@ -280,9 +281,34 @@ def test_a_restore_reads_an_object_into_one_buffer_that_the_tensors_view(
         st.fs.rm(st.root, recursive=True)
 
 
-def test_a_long_restore_says_how_far_it_has_got(gcs_bucket: Any, gcs_proxy: Any,
-                                                 monkeypatch: pytest.MonkeyPatch,
-                                                 caplog: pytest.LogCaptureFixture) -> None:
+@pytest.fixture
+def _released_by_a_line() -> Iterator[Callable[[str], threading.Event]]:
+    """An Event for the proxy to hold a request on, set once the checkpoint manager logs a
+    line that matches a pattern (and at the test's end, whatever happened)."""
+    handlers: list[tuple[logging.Handler, threading.Event]] = []
+
+    def gate(pattern: str) -> threading.Event:
+        event = threading.Event()
+
+        class Release(logging.Handler):
+            def emit(self, record: logging.LogRecord) -> None:
+                if re.match(pattern, record.getMessage()):
+                    event.set()
+
+        handlers.append((Release(), event))
+        manager_mod.log.addHandler(handlers[-1][0])
+        return event
+
+    yield gate
+    for handler, event in handlers:
+        manager_mod.log.removeHandler(handler)
+        event.set()
+
+
+def test_a_long_restore_says_how_far_it_has_got(
+        gcs_bucket: Any, gcs_proxy: Any, monkeypatch: pytest.MonkeyPatch,
+        caplog: pytest.LogCaptureFixture,
+        _released_by_a_line: Callable[[str], threading.Event]) -> None:
     """A restore that takes a while (tens of GB from a bucket: minutes) logs how much of
     the state has come in, of how much and how fast, and a closing line. One ranged read
     of the state (64 KiB of 2.5 MiB) is held at the proxy until such a line has been
@@ -308,26 +334,14 @@ def test_a_long_restore_says_how_far_it_has_got(gcs_bucket: Any, gcs_proxy: Any,
     monkeypatch.setattr(manager_mod, "PROGRESS_AFTER_S", 0.05)
     monkeypatch.setattr(manager_mod, "PROGRESS_EVERY_S", 0.05)
 
-    gate = threading.Event()
-
-    class Release(logging.Handler):
-        def emit(self, record: logging.LogRecord) -> None:
-            line = record.getMessage()   # the total known: the state is being read
-            if line.startswith("restoring step 1 from") and " of " in line:
-                gate.set()
-
-    release = Release()
-    manager_mod.log.addHandler(release)
+    # The total known: the state is being read.
+    gate = _released_by_a_line(r"restoring step 1 from .* of ")
     gcs_proxy.inject(gate, count=1, method="GET", path=r"shared\.pt.*alt=media")
-    try:
-        again = Net(seed=9)
-        with CheckpointManager(url, options=CheckpointOptions(
-                async_save=False, retry=FAST, storage_options=options)) as mgr:
-            mgr.track(model=again)
-            assert mgr.restore_latest() == 1
-    finally:
-        manager_mod.log.removeHandler(release)
-        gate.set()
+    again = Net(seed=9)
+    with CheckpointManager(url, options=CheckpointOptions(
+            async_save=False, retry=FAST, storage_options=options)) as mgr:
+        mgr.track(model=again)
+        assert mgr.restore_latest() == 1
     assert [e.outcome for e in gcs_proxy.events].count("held") == 1
     assert all(torch.equal(again.state_dict()[k], v) for k, v in net.state_dict().items())
     lines = [r.getMessage() for r in caplog.records
@@ -341,6 +355,36 @@ def test_a_long_restore_says_how_far_it_has_got(gcs_bucket: Any, gcs_proxy: Any,
     assert shown and int(shown[0].group(4)) < 100, lines     # part-way, held at the proxy
     assert {m.group(3) for m in shown} == {f"{size / 2**20:.1f}"}, (lines, size)
     assert re.fullmatch(head + rf"done, {size / 2**20:.1f} MiB in [0-9]+ s \(.*/s\)",
+                        lines[-1]), lines
+
+
+def test_a_long_save_that_the_loop_waits_for_says_how_far_it_has_got(
+        gcs_bucket: Any, gcs_proxy: Any, monkeypatch: pytest.MonkeyPatch,
+        caplog: pytest.LogCaptureFixture,
+        _released_by_a_line: Callable[[str], threading.Event]) -> None:
+    """The final save of tens of GB, or a save the next one waits for: while the loop
+    waits, the primary says how much has gone out since the save began. An upload of the
+    async save is held at the proxy until such a line has been logged."""
+    monkeypatch.setattr(manager_mod, "PROGRESS_AFTER_S", 0.05)
+    monkeypatch.setattr(manager_mod, "PROGRESS_EVERY_S", 0.05)
+    options = {"endpoint_url": gcs_proxy.endpoint, "token": "anon",
+               "transfer": _options(gcs_bucket)["transfer"]}
+    caplog.set_level(logging.INFO, logger=manager_mod.__name__)
+    gate = _released_by_a_line(r"saving step 1 to ")
+    gcs_proxy.inject(gate, count=1, method="POST", path=r"/upload/.*step-0+1")
+    with CheckpointManager(f"{gcs_bucket.url}/saving", options=CheckpointOptions(
+            async_save=True, retry=FAST, storage_options=options)) as mgr:
+        mgr.track(model=Net(seed=10))
+        mgr.save(1)     # the snapshot; the writes go on in the background
+        mgr.wait()      # as the final save, or the next save, waits
+        assert mgr.last_commit_step == 1
+    assert [e.outcome for e in gcs_proxy.events].count("held") == 1
+    lines = [r.getMessage() for r in caplog.records
+             if r.getMessage().startswith("saving step 1 to gs://")]
+    assert len(lines) >= 2, lines
+    assert all(re.fullmatch(r"saving step 1 to gs://\S+: [0-9.]+ \S+ so far \(.*/s\)", ln)
+               for ln in lines[:-1]), lines
+    assert re.fullmatch(r"saving step 1 to gs://\S+: done, [0-9.]+ MiB in [0-9]+ s \(.*/s\)",
                         lines[-1]), lines
 
 

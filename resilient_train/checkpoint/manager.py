@@ -21,6 +21,7 @@ directory) still writes is skipped.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
@@ -331,6 +332,7 @@ class CheckpointManager:
                                  files_atomic=self.committer.files_atomic)
         self._thread = WriterThread("rt-ckpt-writer")
         self._inflight: Future[None] | None = None
+        self._writing = (0, 0, time.monotonic())   # the last save: step, bytes moved, start
         self._error: BaseException | None = None
         self.last_commit_step: int | None = None
         self._recorded: int | None = None   # committed, its writer record not yet written
@@ -518,8 +520,10 @@ class CheckpointManager:
         if staged is not None:
             snap["dcp"] = staged  # already a host copy: DCP's stager made it
         self.scheduler.saving(step)
+        self._writing = (step, self.storage.bytes_moved, time.monotonic())
         if sync:
-            self._write_tiers(step, snap, local, persistent)
+            with self._progress_of_save():
+                self._write_tiers(step, snap, local, persistent)
             # Deleting old steps (about 1 s per GB on some disks) and the writer record (two
             # requests to a bucket) need not block anyone.
             self._inflight = self._thread.submit(self._after_commit)
@@ -676,9 +680,20 @@ class CheckpointManager:
         """Block until the save in flight is committed; raise its error if it failed."""
         fut, self._inflight = self._inflight, None
         if fut is not None:
-            fut.result()  # _write_guarded never raises; errors land in self._error
+            # _write_guarded never raises; errors land in self._error
+            with contextlib.nullcontext() if fut.done() else self._progress_of_save():
+                fut.result()
         if self._error is not None:
             self._raise_error()
+
+    def _progress_of_save(self) -> Progress:
+        """Lines on the primary while the loop waits for a long write (the final save of
+        tens of GB, a save that the next one waits for), counted from the save's start."""
+        step, moved, t0 = self._writing
+        return Progress(f"saving step {step} to {self.storage.url}",
+                        lambda: self.storage.bytes_moved, since=(moved, t0),
+                        after_s=max(0.0, PROGRESS_AFTER_S - (time.monotonic() - t0))
+                        if self.is_primary else math.inf, every_s=PROGRESS_EVERY_S, log=log)
 
     def close(self) -> None:
         try:

@@ -26,16 +26,19 @@ class Progress:
     is the zero); ``total`` may be set once known."""
 
     def __init__(self, what: str, moved: Callable[[], int], *, total: int | None = None,
-                 after_s: float = 10.0, every_s: float = 10.0,
-                 log: logging.Logger = logger) -> None:
+                 since: tuple[int, float] | None = None, after_s: float = 10.0,
+                 every_s: float = 10.0, log: logging.Logger = logger) -> None:
+        """``since``: (the count, ``time.monotonic()``) where the work began, for a wait on
+        work already under way (a save in flight); else the start of the ``with``."""
         self.what, self.total = what, total
         self._moved, self._after_s, self._every_s, self._log = moved, after_s, every_s, log
+        self._since = since
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._base, self._t0, self._lines = 0, 0.0, 0
 
     def __enter__(self) -> Progress:
-        self._base, self._t0 = self._moved(), time.monotonic()
+        self._base, self._t0 = self._since or (self._moved(), time.monotonic())
         if self._after_s != math.inf:   # inf: a rank that leaves the telling to another
             self._thread = threading.Thread(target=self._run, name="rt-progress",
                                             daemon=True)
