@@ -25,8 +25,8 @@ def pytest_xdist_auto_num_workers(config: pytest.Config) -> int | None:
     """``-n auto``: twice the cores this process may use (at most ``--maxprocesses``).
     Many tests spend seconds waiting (a timeout, a restart, a step's sleep) with a core
     idle; on 2 cores the suite took 651 s in 2 processes, 610-622 s in 3 (1.7 of the 2
-    cores busy) and 574-607 s in 4. PYTEST_XDIST_AUTO_NUM_WORKERS, where set, is
-    pytest-xdist's to read."""
+    cores busy) and 574-607 s in 4 within the same hour (a slower hour later: 621 and
+    677 s). PYTEST_XDIST_AUTO_NUM_WORKERS, where set, is pytest-xdist's to read."""
     if os.environ.get("PYTEST_XDIST_AUTO_NUM_WORKERS"):
         return None
     return 2 * len(os.sched_getaffinity(0))
