@@ -106,11 +106,12 @@ def _checkpoint_dir(directory: str) -> str:
     return found
 
 
-def _node_local_tiers(directory: str) -> list[Tier]:
-    """A launcher job's node-local tiers, where they hold a step: each replica's machine's
-    disk (``machines/REPLICA/vm/local/checkpoints``, as ``rt.NodeLocal()`` puts it, and its
-    ``rankNNNNN`` directories where several processes share the machine). A NodeLocal
-    given a directory of its own is not found here: list that directory."""
+def _node_local_tiers(directory: str) -> list[tuple[Tier, list[StepInfo]]]:
+    """A launcher job's node-local tiers that hold a step, each with its steps: each
+    replica's machine's disk (``machines/REPLICA/vm/local/checkpoints``, as
+    ``rt.NodeLocal()`` puts it, and its ``rankNNNNN`` directories where several processes
+    share the machine). A NodeLocal given a directory of its own is not found here: list
+    that directory."""
     if "://" in directory or not (Path(directory) / JOB_FILE).is_file():
         return []
     tiers = []
@@ -118,9 +119,10 @@ def _node_local_tiers(directory: str) -> list[Tier]:
         replica = root.parts[-4]
         for path in [root, *sorted(root.glob("rank[0-9]*"))]:
             storage = Storage(str(path))
-            if scan(storage, with_manifest=False):
+            infos = scan(storage)
+            if infos:
                 name = replica if path == root else f"{replica} {path.name}"
-                tiers.append(Tier(storage, name))
+                tiers.append((Tier(storage, name), infos))
     return tiers
 
 
@@ -128,18 +130,18 @@ def run_checkpoints(args: argparse.Namespace) -> int:
     try:
         storage = Storage(_checkpoint_dir(args.directory))
         storage.check_readable()   # "no checkpoints" must mean that, not a typo in the path
-        tiers = [Tier(storage)]
+        tiers = [(Tier(storage), scan(storage))]
         if args.action != "prune":   # the library keeps the node-local tier's own count
             tiers += _node_local_tiers(args.directory)
         if args.action == "list":
             # The cheap checks (files present, sizes as the manifest says); verify reads
             # every byte for the checksums.
-            _print([(t, [_structurally_checked(t.storage, i) for i in scan(t.storage)])
-                    for t in tiers], args.json)
+            _print([(t, [_structurally_checked(t.storage, i) for i in infos])
+                    for t, infos in tiers], args.json)
             return EXIT_OK
         if args.action == "verify":
-            chosen = [(t, [i for i in scan(t.storage) if args.step is None or i.step == args.step])
-                      for t in tiers]
+            chosen = [(t, [i for i in infos if args.step is None or i.step == args.step])
+                      for t, infos in tiers]
             if args.step is not None and not any(infos for _, infos in chosen):
                 print(f"resilient-train checkpoints: error: no step {args.step} in "
                       f"{storage.url}", file=sys.stderr)

@@ -35,9 +35,9 @@ def error_line(what: BaseException | str, *, limit: int = 200) -> str:
     typically caused by a remote worker crashing. Check the logs ...``."""
     text = str(what)
     location = _CPP_LOCATION.match(text)
-    if location is None or not _TORCH_ADVICE.sub("", text[location.end():]).strip():
+    text = _TORCH_ADVICE.sub("", text[location.end():]) if location is not None else ""
+    if not text.strip():
         return first_line(what, limit=limit)
-    text = _TORCH_ADVICE.sub("", text[location.end():])
     if isinstance(what, BaseException):
         text = f"{type(what).__name__}: {text}"
     return first_line(text, limit=limit)

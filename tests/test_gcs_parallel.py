@@ -313,8 +313,7 @@ def test_a_long_restore_says_how_far_it_has_got(
     the state has come in, of how much and how fast, and a closing line. One ranged read
     of the state (64 KiB of 2.5 MiB) is held at the proxy until such a line has been
     logged, so that line shows a restore part-way."""
-    options = {"endpoint_url": gcs_proxy.endpoint, "token": "anon",
-               "transfer": _options(gcs_bucket)["transfer"]}
+    options = {**_options(gcs_bucket), "endpoint_url": gcs_proxy.endpoint}   # via the proxy
     url = f"{gcs_bucket.url}/progress"
     net = Net(seed=8)
     caplog.set_level(logging.INFO, logger=manager_mod.__name__)
@@ -367,8 +366,7 @@ def test_a_long_save_that_the_loop_waits_for_says_how_far_it_has_got(
     async save is held at the proxy until such a line has been logged."""
     monkeypatch.setattr(manager_mod, "PROGRESS_AFTER_S", 0.05)
     monkeypatch.setattr(manager_mod, "PROGRESS_EVERY_S", 0.05)
-    options = {"endpoint_url": gcs_proxy.endpoint, "token": "anon",
-               "transfer": _options(gcs_bucket)["transfer"]}
+    options = {**_options(gcs_bucket), "endpoint_url": gcs_proxy.endpoint}   # via the proxy
     caplog.set_level(logging.INFO, logger=manager_mod.__name__)
     gate = _released_by_a_line(r"saving step 1 to ")
     gcs_proxy.inject(gate, count=1, method="POST", path=r"/upload/.*step-0+1")

@@ -332,7 +332,7 @@ class CheckpointManager:
                                  files_atomic=self.committer.files_atomic)
         self._thread = WriterThread("rt-ckpt-writer")
         self._inflight: Future[None] | None = None
-        self._writing = (0, 0, time.monotonic())   # the last save: step, bytes moved, start
+        self._writing = (0, time.monotonic())   # the last save's start: bytes moved, time
         self._error: BaseException | None = None
         self.last_commit_step: int | None = None
         self._recorded: int | None = None   # committed, its writer record not yet written
@@ -520,7 +520,7 @@ class CheckpointManager:
         if staged is not None:
             snap["dcp"] = staged  # already a host copy: DCP's stager made it
         self.scheduler.saving(step)
-        self._writing = (step, self.storage.bytes_moved, time.monotonic())
+        self._writing = (self.storage.bytes_moved, time.monotonic())
         if sync:
             with self._progress_of_save():
                 self._write_tiers(step, snap, local, persistent)
@@ -689,9 +689,9 @@ class CheckpointManager:
     def _progress_of_save(self) -> Progress:
         """Lines on the primary while the loop waits for a long write (the final save of
         tens of GB, a save that the next one waits for), counted from the save's start."""
-        step, moved, t0 = self._writing
-        return Progress(f"saving step {step} to {self.storage.url}",
-                        lambda: self.storage.bytes_moved, since=(moved, t0),
+        t0 = self._writing[1]
+        return Progress(f"saving step {self.scheduler.last_save_step} to {self.storage.url}",
+                        lambda: self.storage.bytes_moved, since=self._writing,
                         after_s=max(0.0, PROGRESS_AFTER_S - (time.monotonic() - t0))
                         if self.is_primary else math.inf, every_s=PROGRESS_EVERY_S, log=log)
 
@@ -1094,34 +1094,15 @@ class CheckpointManager:
             self._writers.looked()
         problems: list[str] = []
         for step, name in sorted(names, reverse=True):
-            loaded: tuple[Manifest, dict[str, Any], dict[str, Any] | None] | None = None
             # A restore of tens of GB takes minutes: the primary, which reads the
             # replicated state for every rank, says how far it has got.
-            progress = Progress(f"restoring step {step} from {self.storage.url_of(name)}",
-                                lambda: self.storage.bytes_moved,
-                                after_s=PROGRESS_AFTER_S if self.is_primary else math.inf,
-                                every_s=PROGRESS_EVERY_S, log=log)
-            with progress:
-                try:
-                    loaded = self._load_step(step, name, progress)
-                except CorruptCheckpointError as exc:
-                    problems.append(str(exc))
-                # Every rank must restore the same step: one rank's bad file skips it for
-                # all.
-                if self.coord.allreduce_max([0 if loaded else 1])[0] == 0 and \
-                        loaded is not None:
-                    manifest, shared, mine = loaded
-                    try:
-                        shared = self._share(name, manifest, shared)
-                    except CorruptCheckpointError as exc:   # raised alike on every rank
-                        problems.append(str(exc))
-                    else:
-                        if mine is None:
-                            mine = self._values_of_rank_0(manifest)
-                        if self.is_primary and manifest.world_size > self.world_size:
-                            self._say_ranks_dropped(manifest)
-                        return _FromStorage(self._storage_record(step, reason), manifest,
-                                            name, shared, mine)
+            with Progress(f"restoring step {step} from {self.storage.url_of(name)}",
+                          lambda: self.storage.bytes_moved,
+                          after_s=PROGRESS_AFTER_S if self.is_primary else math.inf,
+                          every_s=PROGRESS_EVERY_S, log=log) as progress:
+                fetched = self._fetch_step(step, name, reason, problems, progress)
+            if fetched is not None:
+                return fetched
             self.known.bad.add(name)
             log.warning("checkpoint %s does not verify%s; trying the previous one",
                         self.storage.url_of(name), f": {problems[-1]}" if problems else
@@ -1135,6 +1116,30 @@ class CheckpointManager:
         if self.is_primary:
             self._explain_fresh_start()
         return _FromStorage(self._storage_record(0, reason))
+
+    def _fetch_step(self, step: int, name: str, reason: str, problems: list[str],
+                    progress: Progress) -> _FromStorage | None:
+        """One committed step from storage on every rank, or None (and the problem noted)
+        where it does not verify on some rank."""
+        loaded: tuple[Manifest, dict[str, Any], dict[str, Any] | None] | None = None
+        try:
+            loaded = self._load_step(step, name, progress)
+        except CorruptCheckpointError as exc:
+            problems.append(str(exc))
+        # Every rank must restore the same step: one rank's bad file skips it for all.
+        if self.coord.allreduce_max([0 if loaded else 1])[0] != 0 or loaded is None:
+            return None
+        manifest, shared, mine = loaded
+        try:
+            shared = self._share(name, manifest, shared)
+        except CorruptCheckpointError as exc:   # raised alike on every rank
+            problems.append(str(exc))
+            return None
+        if mine is None:
+            mine = self._values_of_rank_0(manifest)
+        if self.is_primary and manifest.world_size > self.world_size:
+            self._say_ranks_dropped(manifest)
+        return _FromStorage(self._storage_record(step, reason), manifest, name, shared, mine)
 
     def _storage_record(self, step: int, reason: str) -> RestoreRecord:
         return RestoreRecord(step=step, source="persistent" if step else "none", seconds=0.0,
@@ -1207,10 +1212,8 @@ class CheckpointManager:
         where = self.storage.url_of(name)
         manifest = read_manifest(self.storage, name, step)
         if manifest.layout != SHARDED_LAYOUT:   # what this rank reads: the primary the most
-            progress.total = sum(manifest.files[f].size for f in (SHARED_FILE,
-                                                                  rank_file(self.rank))
-                                 if f in manifest.files and (f != SHARED_FILE
-                                                             or self.is_primary))
+            reads = [rank_file(self.rank), *([SHARED_FILE] if self.is_primary else [])]
+            progress.total = sum(manifest.files[f].size for f in reads if f in manifest.files)
         present = set(list_files(self.storage, name))
         problems = manifest_problems(manifest, present, self.storage, name)
         if problems:

@@ -213,7 +213,7 @@ def job_recoveries(lives: Iterable[tuple[TelemetryLife, LifeTelemetry]],
     at_of = {key: min(r.t for r in by_rank.values()) for key, by_rank in groups.items()}
     causes = _decisions_by_recovery(events, groups, at_of)
     out: list[dict[str, Any]] = []
-    used: set[int] = {i for found in causes.values() for i in found}
+    used: set[int] = set()   # faults already put down to a recovery
     prev_at = -math.inf
     for key in sorted(groups, key=lambda k: (at_of[k], k)):
         attempt, generation, round_ = key
