@@ -253,15 +253,17 @@ def test_telemetry_is_looked_at_no_more_often_than_the_interval(
     assert len(job.json()["recoveries"]) == 2
 
 
-def test_two_faults_before_the_first_restore_are_put_down_to_one_recovery_each() -> None:
-    def ev(kind: EventKind, t: float, **fields: Any) -> Event:
-        return Event(kind, T0 + t, t, f"{kind.value} {fields}", 1, **fields)
+def _event(kind: EventKind, t: float, attempt: int = 1, **fields: Any) -> Event:
+    """An event of the launcher's ``t`` seconds into the job."""
+    return Event(kind, T0 + t, t, f"{kind.value} {fields}", attempt, **fields)
 
+
+def test_two_faults_before_the_first_restore_are_put_down_to_one_recovery_each() -> None:
     events = [
-        ev(EventKind.EXITED, 10.0, replica=P1, exit_code=137, cause="node_loss"),
-        ev(EventKind.DECISION, 10.0, replica=P1, action="restart_worker", cause="node_loss"),
-        ev(EventKind.EXITED, 10.2, replica=P2, exit_code=143, cause="preemption"),
-        ev(EventKind.DECISION, 10.2, replica=P2, action="restart_worker", cause="preemption"),
+        _event(EventKind.EXITED, 10.0, replica=P1, exit_code=137, cause="node_loss"),
+        _event(EventKind.DECISION, 10.0, replica=P1, action="restart_worker", cause="node_loss"),
+        _event(EventKind.EXITED, 10.2, replica=P2, exit_code=143, cause="preemption"),
+        _event(EventKind.DECISION, 10.2, replica=P2, action="restart_worker", cause="preemption"),
     ]
 
     def life(replica: str, restart: int, *restores: tuple[float, int]) -> tuple[
@@ -283,13 +285,10 @@ def test_two_workers_lost_together_are_one_recovery_with_both_causes() -> None:
     """Four workers; two lost at once, both rejoin generation 1; later two more, both
     rejoin generation 2. The second of the first pair was once put down to generation 2,
     and generation 2's own faults to nothing."""
-    def ev(kind: EventKind, t: float, **fields: Any) -> Event:
-        return Event(kind, T0 + t, t, f"{kind.value} {fields}", 1, **fields)
-
     p3 = "workerpool1-2"
     events = [e for t, r in ((10.0, P1), (10.1, p3), (20.0, P2), (20.1, P1)) for e in (
-        ev(EventKind.EXITED, t, replica=r, exit_code=137, cause="node_loss"),
-        ev(EventKind.DECISION, t, replica=r, action="restart_worker", cause="node_loss"))]
+        _event(EventKind.EXITED, t, replica=r, exit_code=137, cause="node_loss"),
+        _event(EventKind.DECISION, t, replica=r, action="restart_worker", cause="node_loss"))]
 
     def life(replica: str, restart: int, *restores: tuple[float, int]) -> tuple[
             TelemetryLife, LifeTelemetry]:
@@ -313,11 +312,8 @@ def test_two_workers_lost_together_are_one_recovery_with_both_causes() -> None:
 def test_a_job_retry_is_the_cause_of_the_next_attempts_recovery() -> None:
     """The primary exits 134 (a retry); before the retry stops it, the other worker
     re-forms on its own in the old attempt. The retry caused the next attempt's restore."""
-    def ev(kind: EventKind, t: float, attempt: int = 1, **fields: Any) -> Event:
-        return Event(kind, T0 + t, t, f"{kind.value} {fields}", attempt, **fields)
-
-    events = [ev(EventKind.EXITED, 10.0, replica=P0, exit_code=134, cause="exit"),
-              ev(EventKind.DECISION, 10.0, replica=P0, action="retry_job", cause="exit")]
+    events = [_event(EventKind.EXITED, 10.0, replica=P0, exit_code=134, cause="exit"),
+              _event(EventKind.DECISION, 10.0, replica=P0, action="retry_job", cause="exit")]
 
     def life(attempt: int, replica: str, *restores: tuple[float, int, int]) -> tuple[
             TelemetryLife, LifeTelemetry]:
@@ -339,9 +335,6 @@ def test_lives_that_all_start_afresh_are_one_recovery_each() -> None:
     each new life starts at generation 0 of the same attempt. Keyed by (attempt,
     generation) alone, both restarts and the first start were one group, and the record
     showed one recovery: the last."""
-    def ev(kind: EventKind, t: float, **fields: Any) -> Event:
-        return Event(kind, T0 + t, t, f"{kind.value} {fields}", 1, **fields)
-
     def life(replica: str, restart: int, t: float, step: int) -> tuple[
             TelemetryLife, LifeTelemetry]:
         source = "persistent" if step else "none"
@@ -350,8 +343,8 @@ def test_lives_that_all_start_afresh_are_one_recovery_each() -> None:
                                                rank=[P0, P1].index(replica)),)))
 
     events = [e for t in (10.0, 20.0) for e in (
-        ev(EventKind.EXITED, t, replica=P0, exit_code=137, cause="node_loss"),
-        ev(EventKind.DECISION, t, replica=P0, action="restart_worker", cause="node_loss"))]
+        _event(EventKind.EXITED, t, replica=P0, exit_code=137, cause="node_loss"),
+        _event(EventKind.DECISION, t, replica=P0, action="restart_worker", cause="node_loss"))]
     alone = job_recoveries([life(P0, 0, 1.0, 0), life(P0, 1, 11.0, 40), life(P0, 2, 21.0, 90)],
                            events, [P0])
     assert [(r["generation"], r["step"]) for r in alone] == [(0, 40), (0, 90)], alone
