@@ -26,16 +26,22 @@ def first_line(what: BaseException | str | None, *, limit: int = 200) -> str:
 # to them: in a one-line summary they crowd out what happened.
 _CPP_LOCATION = re.compile(r"\[[^\]\s]*\.(?:cc|cpp|cu|h|hpp):[0-9]+\]\s*")
 _TORCH_ADVICE = re.compile(r"\.?\s*This is typically caused by .*", re.DOTALL)
+# What torch's store client adds to a failed read, whatever the cause.
+_STORE_ADVICE = re.compile(r"\.?\s*Connection was likely closed\. Did the remote server "
+                           r"shutdown or crash\?")
 
 
 def error_line(what: BaseException | str, *, limit: int = 200) -> str:
     """:func:`first_line` of an error, less a leading C++ source location and torch's
     advice: ``RuntimeError: Connection closed by peer [127.0.0.1]:22428`` for gloo's
     ``[/__w/.../pair.cc:553] Connection closed by peer [127.0.0.1]:22428. This is
-    typically caused by a remote worker crashing. Check the logs ...``."""
-    text = str(what)
+    typically caused by a remote worker crashing. Check the logs ...``, and ``Failed to
+    recv, got 0 bytes`` for the store's ``... got 0 bytes. Connection was likely closed.
+    Did the remote server shutdown or crash?``."""
+    text = _STORE_ADVICE.sub("", str(what))
     location = _CPP_LOCATION.match(text)
-    text = _TORCH_ADVICE.sub("", text[location.end():]) if location is not None else ""
+    if location is not None:
+        text = _TORCH_ADVICE.sub("", text[location.end():])
     if not text.strip():
         return first_line(what, limit=limit)
     if isinstance(what, BaseException):

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import re
 import socket
 import subprocess
 import sys
@@ -230,6 +231,23 @@ def test_every_survivor_is_released_at_once_when_the_primary_dies() -> None:
         assert "unexpected" not in r, r
         assert r["recoveries"] == 1
         assert r["failed_after_s"] < 15, r
+
+
+def test_a_survivor_says_once_that_the_primary_and_its_store_are_gone() -> None:
+    """The survivors are between collectives when the primary dies: their watchers, which
+    lose the store it hosted, notice first. Each says so in one line, the re-forming's,
+    in words and without torch's advice (it said it three times: the watcher's line, the
+    re-forming's, and that the store was gone)."""
+    results = run_ranks(3, {}, script=Path(__file__).parent / "init_workers" /
+                        "survivor_computing.py")
+    for rank, name in ((1, "workerpool1-0"), (2, "workerpool1-1")):
+        r = results[rank]
+        assert "unexpected" not in r and r["recoveries"] == 1, r
+        said = [line for line in r["stderr"].splitlines() if "stopped or restarted" in line]
+        assert len(said) == 1 and re.fullmatch(
+            rf"{name}: generation 0 ended \(lost the rendezvous store at localhost:\d+: the "
+            r"primary workerpool0-0 stopped or restarted \(DistNetworkError: Failed to recv, "
+            r"got 0 bytes\)\); re-forming the process group", said[0]), r["stderr"][-3000:]
 
 
 # --- the rendezvous protocol, in-process -------------------------------------------------

@@ -164,6 +164,13 @@ def test_a_lost_peers_error_reads_in_one_line_without_gloos_source_and_advice() 
     other = ValueError("shapes [3] and [4] differ. This is typically caused by a bad batch")
     assert error_line(other) == first_line(other)
     assert error_line(RuntimeError("[pair.cc:1] ")) == "RuntimeError: [pair.cc:1]"
+    # The store's client (the primary, its host, gone) adds advice of its own.
+    from torch.distributed import DistNetworkError
+
+    store = DistNetworkError(
+        "Failed to recv, got 0 bytes. Connection was likely closed. Did the remote server "
+        "shutdown or crash?")
+    assert error_line(store) == "DistNetworkError: Failed to recv, got 0 bytes"
 
 
 def test_an_explicit_cause_decides_but_an_error_while_handling_does_not() -> None:

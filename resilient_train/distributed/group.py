@@ -185,6 +185,7 @@ class DistributedGroup:
         self.last_recovery_s: float | None = None
         self._peer_lost = threading.Event()
         self._peer_reason = ""
+        self._store_lost = False   # the watcher's reason already says the store is gone
         self._watch_stop = threading.Event()
         self._watcher: threading.Thread | None = None
         self._barriers: dict[str, int] = {}
@@ -292,12 +293,15 @@ class DistributedGroup:
         if not self._store_alive():
             # torchrun's agents on several machines: the store may never come back.
             machines = self.info.world_size // self.info.local_world_size
-            logger.warning("%s", store_gone_message(
-                self.replica_name, f"{self.info.master_addr}:{self.info.master_port}",
-                self.name_of(0), machines if agent_hosts_store() else 0))
+            machines = machines if agent_hosts_store() else 0
+            if machines > 1 or not self._store_lost:   # else the line above said it
+                logger.warning("%s", store_gone_message(
+                    self.replica_name, f"{self.info.master_addr}:{self.info.master_port}",
+                    self.name_of(0), machines))
             self._rdzv.store = None
         self._peer_lost.clear()
         self._peer_reason = ""
+        self._store_lost = False
         self._form(self.generation + 1, f"{self.replica_name} saw: {reason}")
         self.last_recovery_s = time.monotonic() - t0
         logger.warning("%s: process group re-formed at generation %d in %.1f s",
@@ -488,6 +492,7 @@ class DistributedGroup:
                 reason = (f"lost the rendezvous store at {self.info.master_addr}:"
                           f"{self.info.master_port}: the primary {self.name_of(0)} stopped or "
                           f"restarted ({error_line(exc)})")
+                self._store_lost = True
             self._flag(reason)
             self._leave_if_stuck(reason, stop)
             return
@@ -495,7 +500,9 @@ class DistributedGroup:
     def _flag(self, reason: str) -> None:
         self._peer_reason = reason
         self._peer_lost.set()
-        logger.warning("%s: %s", self.replica_name, reason)
+        # Not a line of its own on the console: recover()'s "generation N ended (reason)"
+        # follows at once, and a training thread that stays stuck says it in its exit.
+        logger.info("%s: %s", self.replica_name, reason)
         self._end_collectives()
 
     def _leave_if_stuck(self, reason: str, stop: threading.Event) -> None:
