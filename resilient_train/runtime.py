@@ -294,6 +294,13 @@ class Context:
                 tele.saved(done, mgr.last_blocking_s)
             group.phase("step")
             group.step_done(done)
+        if self.options.final_save and self.step:
+            # Committed before the code after the loop runs: an evaluation that crashes, or
+            # the DDP tutorial's destroy_process_group(), which ends the collectives a
+            # save in flight needs, cannot cost the finished run its last checkpoint.
+            group.phase("save")
+            mgr.save_final(self.step)
+            group.phase("step")
 
     def _step_ended(self) -> None:
         """The step in flight is done: the loaders' batches drawn so far are its own, but
@@ -329,8 +336,8 @@ class Context:
         mgr = self.checkpoints
         self._settle()
         self.group.phase("save")   # the last save and the upload in flight: no hang
-        if self.options.final_save and self.step and mgr.last_saved_step != self.step:
-            mgr.save(self.step)
+        if self.options.final_save and self.step:
+            mgr.save_final(self.step)   # after a break (the loop's end saved it otherwise)
         mgr.close()
 
     def _after_loader_death(self, exc: BaseException) -> None:
@@ -467,9 +474,24 @@ def _live(ctx: Context, fn: Callable[..., R], args: tuple[Any, ...],
             ctx._hand_over()
             if death is not None and death is not exc:
                 raise death   # its context: the connection error it surfaced as
+            misuse = _misuse(exc)
+            if misuse is not None:
+                raise misuse from exc
             raise
         ctx._finish()
     return result
+
+
+def _misuse(exc: BaseException) -> Exception | None:
+    """What torch raised for a call that rt.main makes for the script, said with the fix
+    (torch's own words do not say who formed the group first)."""
+    if isinstance(exc, ValueError) and "default process group twice" in str(exc):
+        return ValueError(
+            "the script calls torch.distributed.init_process_group() inside rt.main, which "
+            "has already formed the process group (and forms it again after a peer's "
+            "restart): remove the call; ctx.rank, ctx.world_size and ctx.device say who "
+            "this process is")
+    return None
 
 
 # Set where a launcher, the platform or torchrun runs the process: Ctrl-C is theirs then

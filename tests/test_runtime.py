@@ -13,6 +13,10 @@ import pytest
 import torch
 from lives import Life, run_lives
 
+from resilient_train.checkpoint.directory import scan
+from resilient_train.checkpoint.storage import Storage
+from resilient_train.ports import free_port
+
 SCRIPT = Path(__file__).parent / "runtime_workers" / "train_simple.py"
 
 
@@ -81,6 +85,42 @@ def test_a_lone_workers_network_error_is_transient_in_its_own_words(tmp_path: Pa
     assert report["classification"] == "transient"
     assert "ConnectionResetError" in report["message"] and "data service" in report["message"]
     assert "peer of the process group" not in proc.stderr
+
+
+def _tutorial_port(tmp: Path, mode: str) -> list[subprocess.CompletedProcess[str]]:
+    """runtime_workers/tutorial_port.py as ranks 0 and 1, checkpoints in ``tmp/ckpt``."""
+    env = outside_env() | {
+        "MODE": mode, "CKPT_DIR": str(tmp / "ckpt"), "NODE_LOCAL": str(tmp / "local"),
+        "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "WORLD_SIZE": "2",
+        "GLOO_SOCKET_IFNAME": "lo", "RESILIENT_TRAIN_JOB_SECRET": "s" * 32,
+        "AIP_CHECKPOINT_DIR": str(tmp / "ckpt")}
+    script = Path(__file__).parent / "runtime_workers" / "tutorial_port.py"
+    return run_lives([Life([str(script)], env | {"RANK": str(r)}) for r in range(2)],
+                     together=True, timeout=120)
+
+
+def test_the_ddp_tutorials_destroy_after_the_loop_keeps_the_last_checkpoint(
+        tmp_path: Path) -> None:
+    """The DDP tutorial ends with destroy_process_group(): it ended the collectives of the
+    final save in flight, and the finished run failed (exit 1) over its last checkpoint.
+    The loop's end now commits the last step first, to the checkpoint directory too,
+    though the policy's save of that step went to the machine's disk alone (the job's
+    output held step 10, and the node-local copy of 15 goes with the machine)."""
+    procs = _tutorial_port(tmp_path, "destroy")
+    for rank, proc in enumerate(procs):
+        assert proc.returncode == 0 and f"done {rank}" in proc.stdout, proc.stderr[-3000:]
+    steps = [(i.step, i.ok) for i in scan(Storage(str(tmp_path / "ckpt")))]
+    assert steps[-1] == (15, True), steps
+
+
+def test_the_ddp_tutorials_own_init_inside_rt_main_is_named_with_the_fix(
+        tmp_path: Path) -> None:
+    procs = _tutorial_port(tmp_path, "init")
+    for proc in procs:
+        assert proc.returncode == 1, proc.stderr[-3000:]
+        assert ("ValueError: the script calls torch.distributed.init_process_group() inside "
+                "rt.main, which has already formed the process group") in proc.stderr, \
+            proc.stderr[-3000:]
 
 
 @pytest.mark.slow

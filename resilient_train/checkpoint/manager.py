@@ -480,28 +480,32 @@ class CheckpointManager:
         mtbf = self._mtbf if sched.shared_mtbf is None else (sched.shared_mtbf, "observed")
         return self._cadence.due(*sched.shared_tier_s, sched.policy_interval, mtbf)
 
-    def save(self, step: int, *, blocking: bool | None = None, persistent: bool = True) -> None:
+    def save(self, step: int, *, blocking: bool | None = None, persistent: bool = True,
+             node_local: bool = True) -> None:
         """Save now. Blocks only for the in-memory snapshot unless ``blocking`` (or the
         options) say otherwise; one save is in flight at a time. With a node-local tier
-        the save goes there, and to the persistent tier too when ``persistent``."""
+        the save goes there (unless ``node_local`` is False), and to the persistent tier
+        too when ``persistent``."""
         if self._error is not None:
             self._raise_error()
         t_wait = time.perf_counter()
         self._wait_or_leave()
         self._advice.saving(step, self._steps_called)
         sync = bool(blocking or (blocking is None and not self.options.async_save))
-        self._save(step, sync=sync, persistent=persistent,
+        self._save(step, sync=sync, persistent=persistent, node_local=node_local,
                    overlap=self.options.overlap_snapshot)
         # All this call held the loop for (the goodput's checkpoint time): waiting for the
         # previous write and the checks too, not only the snapshot (and a blocking write).
         self.last_blocking_s = time.perf_counter() - t_wait
         self.scheduler.measured(self.last_blocking_s)
 
-    def _save(self, step: int, *, sync: bool, persistent: bool, overlap: bool) -> None:
+    def _save(self, step: int, *, sync: bool, persistent: bool, overlap: bool,
+              node_local: bool = True) -> None:
         """Snapshot and write (``sync``) or hand to the writer thread; the last save done."""
         tree: dict[str, Any] = {"rank": self._rank_state()}
         staged = self._sharded.stage(self._tracked)  # None unless some state is a DTensor
-        local = self._local is not None and staged is None   # sharded: persistent only
+        # Sharded: persistent only.
+        local = node_local and self._local is not None and staged is None
         persistent = persistent or not local
         if self._cadence is not None:
             self._cadence.saved(persistent)
@@ -530,6 +534,18 @@ class CheckpointManager:
         else:
             self._inflight = self._thread.submit(self._write_guarded, step, snap, local,
                                                  persistent)
+
+    def save_final(self, step: int) -> None:
+        """The run's last step, committed to the persistent tier before this returns: the
+        machines' own disks do not outlive the job, its output must hold the step. Nothing
+        to do where the last save was of this step and went there too (with a node-local
+        tier, most saves go to the machine's disk alone)."""
+        self.wait()
+        saved = self.last_saved_step == step
+        if saved and (self._cadence is None or self._cadence.since == 0):
+            return
+        self.save(step, persistent=True, node_local=not saved)
+        self.wait()
 
     def emergency_save(self, step: int) -> bool:
         """SIGTERM: save ``step`` to every tier, the fastest first, and have it committed

@@ -598,8 +598,10 @@ def init_distributed(options: DistributedOptions | None = None, *,
 
     if dist.is_initialized():
         raise DistributedConfigError(
-            "torch.distributed is already initialized: call init_distributed() instead of "
-            "init_process_group(), once per process (or shutdown() the previous group)")
+            "torch.distributed is already initialized: rt.main and init_distributed() form "
+            "the process group themselves (and form it again after a peer's restart); remove "
+            "the script's own init_process_group() call (and call init_distributed() once "
+            "per process, or shutdown() the previous group)")
     # The environment wins over the code's options: an operator changes behaviour per job
     # (a longer join timeout, exit instead of recover) without editing the script.
     options = DistributedOptions.from_env(options)
