@@ -380,8 +380,14 @@ def test_a_long_save_that_the_loop_waits_for_says_how_far_it_has_got(
     lines = [r.getMessage() for r in caplog.records
              if r.getMessage().startswith("saving step 1 to gs://")]
     assert len(lines) >= 2, lines
-    assert all(re.fullmatch(r"saving step 1 to gs://\S+: [0-9.]+ \S+ so far \(.*/s\)", ln)
-               for ln in lines[:-1]), lines
+    # Of the state's bytes: the model's, and kilobytes of RNG states (the files add their
+    # headers: the share stops at 100%).
+    model = sum(t.numel() * t.element_size() for t in Net(seed=10).state_dict().values())
+    shown = [re.fullmatch(r"saving step 1 to gs://\S+: [0-9.]+ \S+ of ([0-9.]+) MiB "
+                          r"\(([0-9]+)%, .*/s\)", ln) for ln in lines[:-1]]
+    assert all(shown), lines
+    assert all(abs(float(m.group(1)) - model / 2**20) < 0.1 for m in shown if m), lines
+    assert shown[0] and int(shown[0].group(2)) < 100, lines   # part-way: the upload is held
     assert re.fullmatch(r"saving step 1 to gs://\S+: done, [0-9.]+ MiB in [0-9]+ s \(.*/s\)",
                         lines[-1]), lines
 

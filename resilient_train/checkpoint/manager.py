@@ -96,6 +96,7 @@ from .state import (
     refuse_stateless,
     restore,
     restore_rng,
+    tree_nbytes,
     tree_on_host,
     unwrap_model,
 )
@@ -333,6 +334,7 @@ class CheckpointManager:
         self._thread = WriterThread("rt-ckpt-writer")
         self._inflight: Future[None] | None = None
         self._writing = (0, time.monotonic())   # the last save's start: bytes moved, time
+        self._writing_tree: Any = None   # what it writes to the persistent tier (progress)
         self._error: BaseException | None = None
         self.last_commit_step: int | None = None
         self._recorded: int | None = None   # committed, its writer record not yet written
@@ -525,6 +527,9 @@ class CheckpointManager:
             snap["dcp"] = staged  # already a host copy: DCP's stager made it
         self.scheduler.saving(step)
         self._writing = (self.storage.bytes_moved, time.monotonic())
+        # Its size, for the progress lines, is summed only if the loop waits for it. A
+        # sharded save's total is DCP's to know.
+        self._writing_tree = snap if persistent and "dcp" not in snap else None
         if sync:
             with self._progress_of_save():
                 self._write_tiers(step, snap, local, persistent)
@@ -706,8 +711,11 @@ class CheckpointManager:
         """Lines on the primary while the loop waits for a long write (the final save of
         tens of GB, a save that the next one waits for), counted from the save's start."""
         t0 = self._writing[1]
+        tree = self._writing_tree if self.is_primary else None
+        total = tree_nbytes({k: v for k, v in tree.items() if k in ("shared", "rank")}) \
+            if tree is not None else None   # what goes into the files, less their headers
         return Progress(f"saving step {self.scheduler.last_save_step} to {self.storage.url}",
-                        lambda: self.storage.bytes_moved, since=self._writing,
+                        lambda: self.storage.bytes_moved, total=total, since=self._writing,
                         after_s=max(0.0, PROGRESS_AFTER_S - (time.monotonic() - t0))
                         if self.is_primary else math.inf, every_s=PROGRESS_EVERY_S, log=log)
 
