@@ -183,3 +183,40 @@ def test_sigterm_with_a_stalled_link_exits_134_before_the_grace_ends(
     assert took < grace, f"exited {took:.1f} s after the SIGTERM, past its {grace} s grace"
     # What the stalled save wrote never became a step: the latest is the one it named.
     assert max(_committed(url, opts)) == last
+
+
+def test_sigterm_during_the_final_save_leaves_before_the_grace_ends(
+        gcs_bucket: Any, gcs_proxy: Any, tmp_path: Path) -> None:
+    """The loop's end waits for the last step's save to commit; a SIGTERM while its
+    upload stalls leaves within the grace period (exit 134, the step before stays the
+    latest), as at any other step, instead of waiting past the grace for the SIGKILL."""
+    url = f"{gcs_bucket.url}/final"
+    opts = {"endpoint_url": gcs_bucket.server.endpoint, "token": "anon"}
+    grace = 10.0   # the exit's reserve is then 2 s: enough on loaded cores
+    gate = tmp_path / "gate"
+    env = {**os.environ, "CKPT": url, "STEPS": "20", "GATE_AT": "19", "GATE": str(gate),
+           "OUT": str(tmp_path / "out.pt"), "STORAGE_EMULATOR_HOST": gcs_proxy.endpoint,
+           GRACE_ENV: f"{grace:g}", "RESILIENT_TRAIN_ERROR_FILE": str(tmp_path / "err.json")}
+    proc = subprocess.Popen([sys.executable, str(HERE / "runtime_workers" / "train_simple.py")],
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    _wait_for(gate.exists, "the last step", proc)   # saves of 5, 10 and 15 behind it
+    _wait_for(lambda: 15 in _committed(url, opts), "step 15 committed", proc)
+    release = threading.Event()
+    gcs_proxy.inject(release, count=None, path=UPLOADS)   # the link stalls from here on
+    gate.unlink()
+    try:
+        _wait_for(lambda: any(e.outcome == "held" for e in gcs_proxy.requests_matching(
+            path=UPLOADS)), "the last step's upload", proc)
+        proc.send_signal(signal.SIGTERM)
+        t0 = time.monotonic()
+        out, err = proc.communicate(timeout=SAFETY_S)
+        took = time.monotonic() - t0
+    finally:
+        release.set()
+    assert proc.returncode == 134, err[-3000:]
+    line = next(x for x in err.splitlines() if "SIGTERM:" in x and "exit 134" in x)
+    assert "checkpoint of step 20 was abandoned" in line and "step 15 stays the latest" \
+        in line, line
+    assert took < grace, f"exited {took:.1f} s after the SIGTERM, past its {grace} s grace"
+    assert "restored_step" not in out   # the code after the loop never ran
+    assert max(_committed(url, opts)) == 15

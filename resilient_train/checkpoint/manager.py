@@ -544,13 +544,15 @@ class CheckpointManager:
         """The run's last step, committed to the persistent tier before this returns: the
         machines' own disks do not outlive the job, its output must hold the step. Nothing
         to do where the last save was of this step and went there too (with a node-local
-        tier, most saves go to the machine's disk alone)."""
-        self.wait()
+        tier, most saves go to the machine's disk alone). A SIGTERM meanwhile: a save that
+        cannot commit before its grace period ends is abandoned, and this rank leaves with
+        exit 134, as at any other step (the previous step stays the latest)."""
+        self._wait_or_leave()
         saved = self.last_saved_step == step
         if saved and (self._cadence is None or self._cadence.since == 0):
             return
         self.save(step, persistent=True, node_local=not saved)
-        self.wait()
+        self._wait_or_leave()
 
     def emergency_save(self, step: int) -> bool:
         """SIGTERM: save ``step`` to every tier, the fastest first, and have it committed

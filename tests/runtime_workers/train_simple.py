@@ -4,7 +4,8 @@ tests.
 Environment: CKPT (checkpoint directory), STEPS, FAIL_AT (raise at this step, once: the
 marker file FAIL_ONCE says it already happened), FAIL_KIND (transient | bug | network), OUT (where
 the final weights go), BARRIER_EVERY (a named group barrier every N steps), STEP_S (a sleep
-per step), PAUSE_AT (this step sleeps PAUSE_S, 120 s by default).
+per step), PAUSE_AT (this step sleeps PAUSE_S, 120 s by default), GATE_AT (this step
+creates the file GATE and goes on once the test has removed it).
 """
 
 from __future__ import annotations
@@ -39,6 +40,11 @@ def train(ctx: rt.Context) -> None:
         if os.environ.get("BARRIER_EVERY") and (step + 1) % int(os.environ["BARRIER_EVERY"]) == 0:
             ctx.group.barrier("eval", timeout_s=30)   # all ranks meet, as for an evaluation
         time.sleep(float(os.environ.get("STEP_S", "0")))
+        if step == int(os.environ.get("GATE_AT", "-1")):
+            gate = Path(os.environ["GATE"])
+            gate.touch()
+            while gate.exists():
+                time.sleep(0.02)
         if step == int(os.environ.get("PAUSE_AT", "-1")):
             time.sleep(float(os.environ.get("PAUSE_S", "120")))   # a signal lands inside it
         if step == fail_at and not once.exists():
