@@ -238,8 +238,8 @@ def test_a_survivor_says_once_that_the_primary_and_its_store_are_gone() -> None:
     lose the store it hosted, notice first. Each says so in one line, the re-forming's,
     in words and without torch's advice (it said it three times: the watcher's line, the
     re-forming's, and that the store was gone)."""
-    results = run_ranks(3, {}, script=Path(__file__).parent / "init_workers" /
-                        "survivor_computing.py")
+    results = run_ranks(3, {}, extra={"BETWEEN_STEPS": "1"},
+                        script=Path(__file__).parent / "init_workers" / "survivor.py")
     for rank, name in ((1, "workerpool1-0"), (2, "workerpool1-1")):
         r = results[rank]
         assert "unexpected" not in r and r["recoveries"] == 1, r
