@@ -6,11 +6,12 @@ Run it under the launcher (CPU: gloo; CUDA: nccl when a GPU is visible):
 
 `rt.main` forms the process group whatever order the workers start in, and `ctx.steps`
 saves every ``--save-every`` steps (crash-proof, in the background) to
-``AIP_CHECKPOINT_DIR``, which the launcher and the platform set. Every (re)started worker
-resumes from the latest committed step: weights, optimizer, RNG states and the data
-position. When a peer dies and is restarted, the survivors notice within a second,
-re-form the group and call `train` again, resuming from the same checkpoint in-process,
-so the platform's job-retry budget is not spent. A SIGTERM (maintenance, preemption)
+``AIP_CHECKPOINT_DIR``, which the launcher and the platform set. When a peer dies and is
+restarted, the survivors notice within a second, re-form the group and call `train`
+again in-process, and every rank resumes from the step the survivors had finished, out of
+their memory (weights, optimizer, RNG states and the data position; at most the step in
+flight is lost), so the platform's job-retry budget is not spent. A worker with no
+survivor to copy from (the whole job restarted) resumes from the latest committed step. A SIGTERM (maintenance, preemption)
 triggers an emergency save and exit 134; an exception becomes an error report and the
 exit code the platform understands.
 """
