@@ -714,8 +714,9 @@ class CheckpointManager:
         tens of GB, a save that the next one waits for), counted from the save's start."""
         t0 = self._writing[1]
         tree = self._writing_tree if self.is_primary else None
-        total = tree_nbytes({k: v for k, v in tree.items() if k in ("shared", "rank")}) \
-            if tree is not None else None   # what goes into the files, less their headers
+        # What goes into the primary's files (the replicated state and its rank's), less
+        # their headers.
+        total = tree_nbytes(tree) if tree is not None else None
         return Progress(f"saving step {self.scheduler.last_save_step} to {self.storage.url}",
                         lambda: self.storage.bytes_moved, total=total, since=self._writing,
                         after_s=max(0.0, PROGRESS_AFTER_S - (time.monotonic() - t0))

@@ -290,7 +290,8 @@ class DistributedGroup:
         logger.warning("%s: generation %d ended (%s); re-forming the process group",
                        self.replica_name, self.generation, reason)
         self._teardown(self.replica_name)
-        if not self._store_alive():
+        # The watcher's lost store is not probed again (a 5 s wait on a dead socket).
+        if self._store_lost or not self._store_alive():
             # torchrun's agents on several machines: the store may never come back.
             machines = self.info.world_size // self.info.local_world_size
             machines = machines if agent_hosts_store() else 0
