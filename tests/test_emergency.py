@@ -153,34 +153,45 @@ def _wait_for(cond: Any, what: str, proc: subprocess.Popen[str]) -> None:
         time.sleep(0.05)
 
 
+def _worker(url: str, gcs_proxy: Any, tmp_path: Path, grace: float,
+            **env: str) -> subprocess.Popen[str]:
+    """train_simple.py saving to ``url`` through the proxy, told its grace period."""
+    env = {**os.environ, "CKPT": url, "OUT": str(tmp_path / "out.pt"),
+           "STORAGE_EMULATOR_HOST": gcs_proxy.endpoint, GRACE_ENV: f"{grace:g}",
+           "RESILIENT_TRAIN_ERROR_FILE": str(tmp_path / "err.json"), **env}
+    return subprocess.Popen([sys.executable, str(HERE / "runtime_workers" / "train_simple.py")],
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def _stopped_in_time(proc: subprocess.Popen[str], grace: float) -> tuple[str, str]:
+    """SIGTERM ``proc``: it exits 134 by itself within ``grace``. Its stdout, and its
+    one ``SIGTERM: ... exit 134`` line."""
+    proc.send_signal(signal.SIGTERM)
+    t0 = time.monotonic()
+    out, err = proc.communicate(timeout=SAFETY_S)
+    took = time.monotonic() - t0
+    assert proc.returncode == 134, err[-3000:]
+    line = next(x for x in err.splitlines() if "SIGTERM:" in x and "exit 134" in x)
+    assert took < grace, f"exited {took:.1f} s after the SIGTERM, past its {grace} s grace"
+    return out, line
+
+
 def test_sigterm_with_a_stalled_link_exits_134_before_the_grace_ends(
         gcs_bucket: Any, gcs_proxy: Any, tmp_path: Path) -> None:
     """A worker under SIGTERM whose uploads stall leaves on its own within the grace
     period, exit 134, saying that the step was abandoned and which one stays the latest:
     the platform's SIGKILL never has to come."""
-    url = f"{gcs_bucket.url}/worker"
-    grace = 6.0
-    env = {**os.environ, "CKPT": url, "STEPS": "100000", "STEP_S": "0.02",
-           "OUT": str(tmp_path / "out.pt"), "STORAGE_EMULATOR_HOST": gcs_proxy.endpoint,
-           GRACE_ENV: f"{grace:g}", "RESILIENT_TRAIN_ERROR_FILE": str(tmp_path / "err.json")}
-    proc = subprocess.Popen([sys.executable, str(HERE / "runtime_workers" / "train_simple.py")],
-                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    opts = {"endpoint_url": gcs_bucket.server.endpoint, "token": "anon"}
+    url, opts = f"{gcs_bucket.url}/worker", gcs_bucket.storage_options
+    proc = _worker(url, gcs_proxy, tmp_path, 6.0, STEPS="100000", STEP_S="0.02")
     _wait_for(lambda: _committed(url, opts), "a committed step", proc)
     release = threading.Event()
     gcs_proxy.inject(release, count=None, path=UPLOADS)
     try:
-        proc.send_signal(signal.SIGTERM)
-        t0 = time.monotonic()
-        _, err = proc.communicate(timeout=SAFETY_S)
-        took = time.monotonic() - t0
+        _, line = _stopped_in_time(proc, 6.0)
     finally:
         release.set()
-    assert proc.returncode == 134, err[-3000:]
-    line = next(x for x in err.splitlines() if "SIGTERM:" in x and "exit 134" in x)
     assert "was abandoned: not committed in time" in line and "stays the latest" in line
     last = int(line.split("; step ")[1].split()[0])
-    assert took < grace, f"exited {took:.1f} s after the SIGTERM, past its {grace} s grace"
     # What the stalled save wrote never became a step: the latest is the one it named.
     assert max(_committed(url, opts)) == last
 
@@ -190,15 +201,10 @@ def test_sigterm_during_the_final_save_leaves_before_the_grace_ends(
     """The loop's end waits for the last step's save to commit; a SIGTERM while its
     upload stalls leaves within the grace period (exit 134, the step before stays the
     latest), as at any other step, instead of waiting past the grace for the SIGKILL."""
-    url = f"{gcs_bucket.url}/final"
-    opts = {"endpoint_url": gcs_bucket.server.endpoint, "token": "anon"}
-    grace = 10.0   # the exit's reserve is then 2 s: enough on loaded cores
+    url, opts = f"{gcs_bucket.url}/final", gcs_bucket.storage_options
     gate = tmp_path / "gate"
-    env = {**os.environ, "CKPT": url, "STEPS": "20", "GATE_AT": "19", "GATE": str(gate),
-           "OUT": str(tmp_path / "out.pt"), "STORAGE_EMULATOR_HOST": gcs_proxy.endpoint,
-           GRACE_ENV: f"{grace:g}", "RESILIENT_TRAIN_ERROR_FILE": str(tmp_path / "err.json")}
-    proc = subprocess.Popen([sys.executable, str(HERE / "runtime_workers" / "train_simple.py")],
-                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    grace = 10.0   # the exit's reserve is then 2 s: enough on loaded cores
+    proc = _worker(url, gcs_proxy, tmp_path, grace, STEPS="20", GATE_AT="19", GATE=str(gate))
     _wait_for(gate.exists, "the last step", proc)   # saves of 5, 10 and 15 behind it
     _wait_for(lambda: 15 in _committed(url, opts), "step 15 committed", proc)
     release = threading.Event()
@@ -207,16 +213,10 @@ def test_sigterm_during_the_final_save_leaves_before_the_grace_ends(
     try:
         _wait_for(lambda: any(e.outcome == "held" for e in gcs_proxy.requests_matching(
             path=UPLOADS)), "the last step's upload", proc)
-        proc.send_signal(signal.SIGTERM)
-        t0 = time.monotonic()
-        out, err = proc.communicate(timeout=SAFETY_S)
-        took = time.monotonic() - t0
+        out, line = _stopped_in_time(proc, grace)
     finally:
         release.set()
-    assert proc.returncode == 134, err[-3000:]
-    line = next(x for x in err.splitlines() if "SIGTERM:" in x and "exit 134" in x)
     assert "checkpoint of step 20 was abandoned" in line and "step 15 stays the latest" \
         in line, line
-    assert took < grace, f"exited {took:.1f} s after the SIGTERM, past its {grace} s grace"
     assert "restored_step" not in out   # the code after the loop never ran
     assert max(_committed(url, opts)) == 15
