@@ -26,7 +26,7 @@ from . import sigterm
 from .cluster import CLUSTER_SPEC_ENV, JOB_ID_ENV, TF_CONFIG_ENV
 from .errors import exception_chain, record
 from .telemetry import Telemetry
-from .validate import NONE, expect_type
+from .validate import NONE, expect_type, options
 
 if TYPE_CHECKING:  # torch-heavy: loaded when a training script builds them
     from .checkpoint.manager import CheckpointOptions
@@ -42,6 +42,7 @@ def _telemetry() -> Telemetry | None:
 R = TypeVar("R")
 
 
+@options
 @dataclass(frozen=True)
 class MainOptions:
     """What ``@rt.main`` sets up. ``checkpoint`` and ``distributed`` take the lower layers'

@@ -84,6 +84,37 @@ def test_metadata_that_the_manifest_cannot_hold_fails_at_once() -> None:
     CheckpointOptions(metadata={"run": "a", "lr": 1e-3, "tags": ["x"]})
 
 
+@pytest.mark.parametrize("build, says", [
+    # Another class's option: how to pass it from here, one level down or up.
+    (lambda: rt.CheckpointOptions(checkpoint_dir="/ckpt"),
+     "rt.MainOptions(checkpoint_dir=..., checkpoint=rt.CheckpointOptions(...))"),
+    (lambda: rt.MainOptions(save_every_steps=100),
+     "rt.MainOptions(checkpoint=rt.CheckpointOptions(save_every_steps=...))"),
+    (lambda: rt.MainOptions(hang_timeout_s=60),
+     "rt.MainOptions(distributed=rt.DistributedOptions(hang_timeout_s=...))"),
+    # A name two classes take: both ways.
+    (lambda: rt.CheckpointOptions(keep_last=2),
+     "rt.CheckpointOptions(node_local=rt.NodeLocal(keep_last=...)) or "
+     "rt.CheckpointOptions(retention=rt.RetentionPolicy(keep_last=...))"),
+    # A typo: the option meant.
+    (lambda: rt.CheckpointOptions(save_every=100), "did you mean save_every_steps=...?"),
+    (lambda: rt.RetryOptions(deadline=30), "did you mean deadline_s=...?"),
+    (lambda: rt.NodeLocal(persistent_every_steps=5), "did you mean persistent_every=...?"),
+    # Neither: the class's options.
+    (lambda: rt.DistributedOptions(world=4), "its options are: backend, join_timeout_s"),
+])
+def test_an_unknown_option_says_where_it_belongs(build: Any, says: str) -> None:
+    with pytest.raises(TypeError) as info:
+        build()
+    assert "has no option" in str(info.value)
+    assert says in str(info.value)
+
+
+def test_a_known_option_still_builds_and_replaces() -> None:
+    opts = rt.CheckpointOptions(save_every_steps=3, node_local=rt.NodeLocal(keep_last=2))
+    assert replace(opts, async_save=False).node_local == rt.NodeLocal(keep_last=2)
+
+
 def test_replace_validates_again() -> None:
     base = CheckpointOptions(save_every_steps=100)
     with pytest.raises(ValueError, match="give one"):

@@ -36,7 +36,7 @@ from typing import Any
 
 from .. import __version__
 from ..errors import Classification, PermanentError, TransientError, classify_exception
-from ..validate import NONE, expect_type
+from ..validate import NONE, expect_type, options
 from . import shard_copies
 from .advice import ScriptAdvice, say_once
 from .commit import committer_for, remove_crashed_saves
@@ -124,6 +124,7 @@ def _positive_seconds(value: object) -> bool:
             and 0 < value < math.inf)
 
 
+@options
 @dataclass(frozen=True)
 class CheckpointOptions:
     """When to save, what to keep, how to write. One way to say when: ``save_every_steps=N``

@@ -42,7 +42,7 @@ from typing import Any
 from .. import __version__
 from ..cluster import NODE_LOCAL_DIR_ENV, ClusterInfo
 from ..text import format_duration
-from ..validate import NONE, expect_type
+from ..validate import NONE, expect_type, options
 from .commit import committer_for, remove_crashed_saves
 from .directory import (
     SHARED_FILE,
@@ -70,6 +70,7 @@ AUTO = "auto"
 MAX_PERSISTENT_EVERY = 1000   # Orbax's example ratio is 100 (every 10 and every 1,000)
 
 
+@options
 @dataclass(frozen=True)
 class NodeLocal:
     """Where and how often the node-local tier saves."""

@@ -5,7 +5,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from ..validate import options
 
+
+@options
 @dataclass(frozen=True)
 class RetentionPolicy:
     keep_last: int = 3

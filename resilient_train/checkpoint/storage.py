@@ -80,6 +80,7 @@ from tenacity import (
 )
 
 from resilient_train.errors import exception_chain
+from resilient_train.validate import options
 
 from .storage_errors import (
     ErrorKind,
@@ -153,6 +154,7 @@ OBJECT_STORE = Capabilities(posix_paths=False, local_paths=False, atomic_rename=
 # --- options -----------------------------------------------------------------------------
 
 
+@options
 @dataclass(frozen=True)
 class RetryOptions:
     """How long and how to retry transient storage errors.

@@ -32,6 +32,7 @@ from .. import sigterm
 from ..cluster import ClusterInfo, replica_name, training_replica
 from ..errors import PEER_LOST_MESSAGES, exception_chain, exit_transient
 from ..text import error_line
+from ..validate import options
 from .errors import DistributedConfigError, PeerRestartedError, RendezvousTimeoutError
 from .hang import HangWatchdog, report_and_exit
 from .rendezvous import Rendezvous
@@ -51,6 +52,7 @@ LOST_PEER_STALL_S = 30.0
 OnPeerRestart = Literal["recover", "exit"]
 
 
+@options
 @dataclass(frozen=True)
 class DistributedOptions:
     """How the group forms and what happens when a peer goes away.
