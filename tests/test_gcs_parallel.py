@@ -23,6 +23,7 @@ import torch
 
 from resilient_train import cli
 from resilient_train.checkpoint import manager as manager_mod
+from resilient_train.checkpoint import progress as progress_mod
 from resilient_train.checkpoint import storage as storage_mod
 from resilient_train.checkpoint import storage_fsspec
 from resilient_train.checkpoint.directory import (
@@ -330,8 +331,8 @@ def test_a_long_restore_says_how_far_it_has_got(
     assert not [r for r in caplog.records if r.getMessage().startswith("restoring step")]
     size = mgr.storage.size(f"{scan(mgr.storage)[0].name}/{SHARED_FILE}")
 
-    monkeypatch.setattr(manager_mod, "PROGRESS_AFTER_S", 0.05)
-    monkeypatch.setattr(manager_mod, "PROGRESS_EVERY_S", 0.05)
+    monkeypatch.setattr(progress_mod, "AFTER_S", 0.05)
+    monkeypatch.setattr(progress_mod, "EVERY_S", 0.05)
 
     # The total known: the state is being read.
     gate = _released_by_a_line(r"restoring step 1 from .* of ")
@@ -364,8 +365,8 @@ def test_a_long_save_that_the_loop_waits_for_says_how_far_it_has_got(
     """The final save of tens of GB, or a save the next one waits for: while the loop
     waits, the primary says how much has gone out since the save began. An upload of the
     async save is held at the proxy until such a line has been logged."""
-    monkeypatch.setattr(manager_mod, "PROGRESS_AFTER_S", 0.05)
-    monkeypatch.setattr(manager_mod, "PROGRESS_EVERY_S", 0.05)
+    monkeypatch.setattr(progress_mod, "AFTER_S", 0.05)
+    monkeypatch.setattr(progress_mod, "EVERY_S", 0.05)
     options = {**_options(gcs_bucket), "endpoint_url": gcs_proxy.endpoint}   # via the proxy
     caplog.set_level(logging.INFO, logger=manager_mod.__name__)
     gate = _released_by_a_line(r"saving step 1 to ")

@@ -110,10 +110,6 @@ log = logging.getLogger(__name__)
 # How often a wait for the save in flight looks for a SIGTERM that came meanwhile.
 SIGTERM_POLL_S = 0.1
 
-# A restore from storage says how far it has got once it has taken this long, and again
-# this often: silence for the minutes of a large one reads as a hang.
-PROGRESS_AFTER_S = PROGRESS_EVERY_S = 15.0
-
 # How long a peer-ring neighbour may take to connect, or to send its state at a step:
 # as long as a collective may take (DistributedOptions.collective_timeout_s's default).
 RING_TIMEOUT_S = 600.0
@@ -713,15 +709,13 @@ class CheckpointManager:
     def _progress_of_save(self) -> Progress:
         """Lines on the primary while the loop waits for a long write (the final save of
         tens of GB, a save that the next one waits for), counted from the save's start."""
-        t0 = self._writing[1]
         tree = self._writing_tree if self.is_primary else None
         # What goes into the primary's files (the replicated state and its rank's), less
         # their headers.
         total = tree_nbytes(tree) if tree is not None else None
         return Progress(f"saving step {self.scheduler.last_save_step} to {self.storage.url}",
                         lambda: self.storage.bytes_moved, total=total, since=self._writing,
-                        after_s=max(0.0, PROGRESS_AFTER_S - (time.monotonic() - t0))
-                        if self.is_primary else math.inf, every_s=PROGRESS_EVERY_S, log=log)
+                        after_s=None if self.is_primary else math.inf, log=log)
 
     def close(self) -> None:
         try:
@@ -1126,8 +1120,8 @@ class CheckpointManager:
             # replicated state for every rank, says how far it has got.
             with Progress(f"restoring step {step} from {self.storage.url_of(name)}",
                           lambda: self.storage.bytes_moved,
-                          after_s=PROGRESS_AFTER_S if self.is_primary else math.inf,
-                          every_s=PROGRESS_EVERY_S, log=log) as progress:
+                          after_s=None if self.is_primary else math.inf,
+                          log=log) as progress:
                 fetched = self._fetch_step(step, name, reason, problems, progress)
             if fetched is not None:
                 return fetched

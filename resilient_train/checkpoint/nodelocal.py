@@ -296,6 +296,8 @@ class LocalHoldings:
     states: Mapping[tuple[int, bool], bytes]
     created: float
 
+    where = "node-local disk"
+
     def shared(self, step: int) -> dict[str, Any]:
         assert step == self.step and self.shared_state is not None
         return self.shared_state

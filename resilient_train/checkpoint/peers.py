@@ -112,6 +112,8 @@ def _trim(kept: dict[int, bytes]) -> None:
 class MemoryHoldings:
     """A :class:`PeerMemory` as the plan's source of state."""
 
+    where = "memory"
+
     def __init__(self, memory: PeerMemory) -> None:
         self.memory = memory
 

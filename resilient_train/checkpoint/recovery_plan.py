@@ -26,6 +26,7 @@ from typing import Any, Protocol
 
 import torch
 
+from .progress import Progress
 from .transfer import Moved, recv_tree, send_tree
 
 
@@ -141,6 +142,8 @@ class Recovered:
 class Holdings(Protocol):
     """Where a rank's reported state is: memory (peers.py) or its disk (nodelocal.py)."""
 
+    where: str   # for a person: "memory", "node-local disk"
+
     def shared(self, step: int) -> dict[str, Any]: ...
 
     def rank_state(self, rank: int, step: int, own: bool) -> bytes:
@@ -164,7 +167,10 @@ def carry_out(the_plan: Plan, holdings: Holdings, rank: int, group: Any) -> Reco
             assert shared is not None
             send_tree(shared, dst, group)
         elif rank == dst:
-            moved: Moved = recv_tree(the_plan.holder, group)
+            # Tens of GB over the network take a while: the receiver says how far it got.
+            with Progress(f"rank {rank}: receiving step {step} from rank {the_plan.holder}'s "
+                          f"{holdings.where}") as progress:
+                moved: Moved = recv_tree(the_plan.holder, group, progress)
             shared, from_rank, nbytes = moved.tree, the_plan.holder, moved.nbytes
     mine_bytes: bytes | None = None
     for owner, giver in sorted(the_plan.rank_source.items()):

@@ -158,6 +158,8 @@ def report(memory: PeerMemory, rank: int, url: str) -> Report:
 class ShardHoldings:
     """A :class:`PeerMemory`'s sharded copies as the plan's source (recovery_plan.Holdings)."""
 
+    where = "memory"
+
     def __init__(self, memory: PeerMemory) -> None:
         self.memory = memory
 

@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+from .progress import Progress
 from .state import tree_map_tensors
 
 # Tensors up to this size are packed into shared messages of up to PACK_BYTES each.
@@ -137,8 +138,9 @@ def send_tree(tree: Any, dst: int, group: Any) -> int:
     return _nbytes(tensors)
 
 
-def recv_tree(src: int, group: Any) -> Moved:
-    """The tree that rank ``src`` sends with :func:`send_tree`."""
+def recv_tree(src: int, group: Any, progress: Progress | None = None) -> Moved:
+    """The tree that rank ``src`` sends with :func:`send_tree`; ``progress`` learns the
+    total from the skeleton and counts each message as it lands."""
     import torch.distributed as dist
 
     size = torch.zeros(1, dtype=torch.int64)
@@ -146,8 +148,12 @@ def recv_tree(src: int, group: Any) -> Moved:
     header = torch.empty(int(size.item()), dtype=torch.uint8)
     dist.recv(header, src, group=group)
     tree, tensors = _join(header.numpy().tobytes())
+    if progress is not None:
+        progress.total = _nbytes(tensors)
     for message in _messages(tensors):
         data = _recv_target(tensors, message)
         dist.recv(data, src, group=group)
         _unpack(tensors, message, data)
+        if progress is not None:
+            progress.add(data.numel())
     return Moved(tree, _nbytes(tensors))

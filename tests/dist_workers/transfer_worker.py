@@ -1,16 +1,22 @@
-"""Three ranks move one state tree around: rank 0 sends it to rank 2 point to point, then
-streams a file of it to everyone (readonce.py, in chunks much smaller than the file), the
-same file where rank 2's manifest says another size, a truncated copy, a copy whose read
-fails half-way, and last the file again while rank 2 dies after its first chunk. Each rank
-writes what it received and what it raised to ``$RESULT_DIR/rankR.pt``."""
+"""Three ranks move one state tree around: rank 0 sends it to rank 2 point to point (once
+bare, once by a recovery plan whose send is held after its first message until rank 2 has
+said how far it got), then streams a file of it to everyone (readonce.py, in chunks much
+smaller than the file), the same file where rank 2's manifest says another size, a
+truncated copy, a copy whose read fails half-way, and last the file again while rank 2
+dies after its first chunk. Each rank writes what it received and what it raised to
+``$RESULT_DIR/rankR.pt``."""
 import io
+import logging
 import os
+import re
+import time
 
 import torch
 import torch.distributed as dist
 
-from resilient_train.checkpoint import readonce
+from resilient_train.checkpoint import progress, readonce, transfer
 from resilient_train.checkpoint.manifest import FileEntry, crc32c
+from resilient_train.checkpoint.recovery_plan import Plan, carry_out, dumps_rank_state
 from resilient_train.checkpoint.storage import Storage
 from resilient_train.checkpoint.transfer import recv_tree, send_tree
 
@@ -63,6 +69,57 @@ class FailsHalfWay:
         return n
 
 
+def halves() -> dict:
+    """Two tensors of 1.2 MB, a message each: held after the first, half has come."""
+    g = torch.Generator().manual_seed(8)
+    return {"a": torch.randn(300, 1000, generator=g), "b": torch.randn(300, 1000, generator=g)}
+
+
+class Memory:
+    """recovery_plan.Holdings: :func:`halves`, and each rank's own small state."""
+
+    where = "memory"
+
+    def shared(self, step: int) -> dict:
+        return halves()
+
+    def rank_state(self, rank: int, step: int, own: bool) -> bytes:
+        return dumps_rank_state({"values": {"rank": rank}})
+
+
+def by_plan(rank: int) -> list[str]:
+    """Rank 2 receives the tree by a plan, its progress lines every 50 ms; rank 0 holds the
+    send after the first message until a line shows bytes received (a file says so)."""
+    seen = os.path.join(os.environ["RESULT_DIR"], "progress-seen")
+    lines: list[str] = []
+
+    class Lines(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            lines.append(record.getMessage())
+            if re.search(r": [1-9][0-9.]* (B|KiB|MiB) of ", lines[-1]):
+                open(seen, "a").close()
+
+    progress.AFTER_S, progress.EVERY_S = 0.0, 0.05
+    logging.getLogger(progress.__name__).addHandler(Lines())
+    logging.getLogger(progress.__name__).setLevel(logging.INFO)
+    if rank == 0:
+        built, calls = transfer._payload, [0]
+
+        def held(tensors: list, message: list) -> torch.Tensor:
+            calls[0] += 1
+            deadline = time.monotonic() + 60
+            while calls[0] == 2 and not os.path.exists(seen) and time.monotonic() < deadline:
+                time.sleep(0.01)
+            return built(tensors, message)
+
+        transfer._payload = held
+    the_plan = Plan(step=5, holder=0, needs_state=(2,), rank_source={0: 0, 1: 1, 2: 2},
+                    save_point=(None, 0.0), last_commit=None)
+    got = carry_out(the_plan, Memory(), rank, None)
+    assert all(torch.equal(got.shared[k], v) for k, v in halves().items())
+    return lines
+
+
 def main() -> None:
     rank = int(os.environ["RANK"])
     dist.init_process_group("gloo", rank=rank, world_size=3)
@@ -72,6 +129,7 @@ def main() -> None:
     elif rank == 2:
         moved = recv_tree(0, None)
         out["p2p"], out["p2p_bytes"] = moved.tree, moved.nbytes
+    out["progress"] = by_plan(rank)
     readonce.CHUNK_BYTES = 64 << 10   # some 20 chunks of a 1.2 MB file
     storage = Storage(os.environ["RESULT_DIR"])
     buf = io.BytesIO()

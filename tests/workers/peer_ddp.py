@@ -68,13 +68,13 @@ def kill_in_transfers(spec: str, marks: str) -> None:
 
     restarted = os.environ.get("RESILIENT_TRAIN_RESTART_COUNT", "0") != "0"
 
-    def recv_tree(src, group):
+    def recv_tree(src, group, progress=None):
         # The receiver that dies is a restarted process (not a survivor a step ahead).
         if restarted and due("receiver"):
             import torch.distributed as dist
             dist.recv(torch.zeros(1, dtype=torch.int64), src, group=group)
             die()
-        return real_recv(src, group)
+        return real_recv(src, group, progress)
 
     peers.carry_out = carry_out
     recovery_plan.send_tree, recovery_plan.recv_tree = send_tree, recv_tree
