@@ -389,7 +389,9 @@ def kill_rows(job_dir: Path, replicas: list[str], kills: list[dict[str, Any]],
         last = max(before, key=lambda s: s.t_start).last_step if before else None
         row["steps_done_at_kill"] = last
         row["resumed_from"] = resumed
-        row["steps_lost"] = (last - resumed if last is not None and resumed is not None
+        # ``last`` is what the primary's telemetry showed when the kill fired; a step it
+        # finished after that write is resumed from (resumed > last): nothing was lost.
+        row["steps_lost"] = (max(0, last - resumed) if last is not None and resumed is not None
                              else None)
         row["survivors_reformed_s"] = round(max(reform_s), 3) if reform_s else None
         row["generation"] = generation
