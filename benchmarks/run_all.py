@@ -596,6 +596,12 @@ def section_goodput(d: dict[str, Any]) -> Section:
     return "\n".join(md), svgs
 
 
+def _lost(kills: list[dict[str, Any]]) -> str:
+    """The steps lost over a soak's kills, or "-" where a kill has no such count."""
+    lost = [k.get("steps_lost") for k in kills]
+    return str(sum(lost)) if lost and None not in lost else "-"
+
+
 def section_soak(d: dict[str, Any]) -> Section:
     cfg = d.get("config") or {}
     s = d.get("summary") or {}
@@ -642,7 +648,10 @@ def section_soak(d: dict[str, Any]) -> Section:
                           f"{ts.get('restarts_used', '-')} x {cfg.get('workers', '?')}",
                           str(len(ts.get("failures") or []))]]),
                "", f"Median recovery, torchrun / ours: "
-                   f"{fnum(d.get('median_ratio_torchrun_to_ours'), 2)}x."]
+                   f"{fnum(d.get('median_ratio_torchrun_to_ours'), 2)}x. Steps lost over "
+                   f"all kills (the primary's last step before the kill less the step "
+                   f"resumed from): ours {_lost(kills)}, torchrun "
+                   f"{_lost(tr.get('kills') or [])}."]
         for f in ts.get("failures") or []:
             md += ["", f"**torchrun failure**: {f}"]
     theirs = {k.get("kill"): k for k in tr.get("kills") or []}
