@@ -26,7 +26,7 @@ from . import sigterm
 from .cluster import CLUSTER_SPEC_ENV, JOB_ID_ENV, TF_CONFIG_ENV
 from .errors import exception_chain, record
 from .telemetry import Telemetry
-from .validate import NONE, expect_type, options
+from .validate import NONE, expect_type, holder, options
 
 if TYPE_CHECKING:  # torch-heavy: loaded when a training script builds them
     from .checkpoint.manager import CheckpointOptions
@@ -515,6 +515,16 @@ def main(fn: Callable[..., R] | None = None, *,
          options: MainOptions | None = None) -> Any:
     """Decorate ``def train(ctx: rt.Context, ...)``; use as ``@rt.main`` or
     ``@rt.main(options=rt.MainOptions(...))``."""
+    if fn is not None and not callable(fn):   # @rt.main(rt.MainOptions(...))
+        raise TypeError(f"rt.main({type(fn).__name__}(...)): the options go by name, "
+                        f"@rt.main(options=rt.MainOptions(...))")
+    if options is not None and not isinstance(options, MainOptions):
+        # A lower layer's options: MainOptions holds them (checkpoint=, distributed=).
+        where = holder(MainOptions, type(options))
+        inside = (f"rt.MainOptions({where}=rt.{type(options).__name__}(...))" if where
+                  else "rt.MainOptions(...)")
+        raise TypeError(f"rt.main(options={type(options).__name__}(...)): options takes "
+                        f"rt.MainOptions; pass options={inside}")
     opts = options or MainOptions()
 
     def decorate(func: Callable[..., R]) -> Callable[..., R]:

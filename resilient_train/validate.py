@@ -46,7 +46,7 @@ def _public_options() -> list[type]:
             and getattr(c.__init__, "__wrapped__", None) is not None]
 
 
-def _holder(outer: type, inner: type) -> str | None:
+def holder(outer: type, inner: type) -> str | None:
     """The field of ``outer`` that takes an ``inner`` (MainOptions.checkpoint), if any."""
     for f in dataclasses.fields(outer):
         if inner.__name__ in str(f.type):
@@ -65,8 +65,8 @@ def unknown_option(cls: type, key: str) -> str:
         if owner is cls or key not in {f.name for f in dataclasses.fields(owner)}:
             continue
         other = owner.__name__
-        down = _holder(cls, owner)     # MainOptions(save_every_steps=): one level down
-        up = _holder(owner, cls)       # CheckpointOptions(checkpoint_dir=): one level up
+        down = holder(cls, owner)     # MainOptions(save_every_steps=): one level down
+        up = holder(owner, cls)       # CheckpointOptions(checkpoint_dir=): one level up
         if down is not None:
             ways.append(f"rt.{name}({down}=rt.{other}({key}=...))")
         elif up is not None:

@@ -110,6 +110,27 @@ def test_an_unknown_option_says_where_it_belongs(build: Any, says: str) -> None:
     assert says in str(info.value)
 
 
+@pytest.mark.parametrize("decorate, says", [
+    (lambda: rt.main(options=rt.CheckpointOptions(save_every_steps=5)),
+     "rt.main(options=CheckpointOptions(...)): options takes rt.MainOptions; pass "
+     "options=rt.MainOptions(checkpoint=rt.CheckpointOptions(...))"),
+    (lambda: rt.main(options=rt.DistributedOptions()),
+     "pass options=rt.MainOptions(distributed=rt.DistributedOptions(...))"),
+    (lambda: rt.main(options={"checkpoint_dir": "/ckpt"}),   # type: ignore[arg-type]
+     "rt.main(options=dict(...)): options takes rt.MainOptions; pass options="
+     "rt.MainOptions(...)"),
+    # Positional: the options object would be taken for the function (and the group
+    # formed as the decorator is applied).
+    (lambda: rt.main(rt.MainOptions()),   # type: ignore[arg-type]
+     "rt.main(MainOptions(...)): the options go by name, @rt.main(options=rt.MainOptions"),
+])
+def test_options_given_to_rt_main_wrongly_fail_as_it_decorates(decorate: Any,
+                                                                says: str) -> None:
+    with pytest.raises(TypeError) as info:
+        decorate()
+    assert says in str(info.value)
+
+
 def test_a_known_option_still_builds_and_replaces() -> None:
     opts = rt.CheckpointOptions(save_every_steps=3, node_local=rt.NodeLocal(keep_last=2))
     assert replace(opts, async_save=False).node_local == rt.NodeLocal(keep_last=2)
