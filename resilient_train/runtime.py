@@ -95,6 +95,24 @@ class MainOptions:
         return replace(base, save_on_sigterm=True if on is None else on)
 
 
+# What an unnamed tracked object is called in the fix that names it, by its classes.
+_KIND_NAMES = (("Module", "model"), ("Optimizer", "optimizer"), ("LRScheduler", "scheduler"),
+               ("ReduceLROnPlateau", "scheduler"), ("GradScaler", "scaler"),
+               ("ResumableLoader", "data"))
+
+
+def _names_for(objects: tuple[Any, ...]) -> str:
+    """``model=..., optimizer=...`` for objects passed to ctx.track unnamed."""
+    names: list[str] = []
+    seen: collections.Counter[str] = collections.Counter()
+    for obj in objects:
+        classes = {c.__name__ for c in type(obj).__mro__}
+        name = next((n for kind, n in _KIND_NAMES if kind in classes), "name")
+        seen[name] += 1
+        names.append(name if seen[name] == 1 else f"{name}{seen[name]}")
+    return ", ".join(f"{n}=..." for n in names)
+
+
 class _Values(dict):  # type: ignore[type-arg]
     """``ctx.values``: a dict that
 
@@ -212,8 +230,11 @@ class Context:
         """User values saved with every checkpoint (data position, epoch, metrics)."""
         return self.checkpoints.values
 
-    def track(self, **objects: Any) -> None:
+    def track(self, *unnamed: Any, **objects: Any) -> None:
         """Objects with state_dict/load_state_dict: model, optimizer, scheduler, scaler."""
+        if unnamed:   # the names key the checkpoint's entries: they are not guessed
+            raise TypeError(f"ctx.track() takes each object by name, the name it has in "
+                            f"the checkpoint: ctx.track({_names_for(unnamed)})")
         if self._began:
             log.warning(
                 "ctx.track(%s) after this life's restore: saved from now on, but a restarted "
@@ -259,6 +280,9 @@ class Context:
         remaining step indices; after each step, save by policy (or on SIGTERM: save and
         exit 134) and feed the watchdog. A second loop in the same life goes on from the
         step the first ended at."""
+        if isinstance(total, bool) or not isinstance(total, int) or total < 0:
+            raise TypeError(f"ctx.steps(total={total!r}): expected a whole number of steps "
+                            f">= 0 (an int: ctx.steps(int(total)) for a float such as 1e4)")
         self.restore()
         start = self.step
         if start >= total and start == self.restored_step and self.is_primary:

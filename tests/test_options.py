@@ -326,3 +326,21 @@ def test_main_options_accept_what_they_document(tmp_path: Path) -> None:
                 distributed=rt.DistributedOptions(), final_save=False)
     assert MainOptions(checkpoint_dir="gs://bucket/run").checkpoint_options() == replace(
         CheckpointOptions(), save_on_sigterm=True)
+
+
+def test_objects_tracked_unnamed_or_a_total_not_a_whole_number_are_named_with_the_fix(
+        tmp_path: Path) -> None:
+    context = Context(Group(), MainOptions(checkpoint_dir=str(tmp_path)))
+    try:
+        model = torch.nn.Linear(2, 2)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        with pytest.raises(TypeError, match=r"takes each object by name, the name it has in "
+                           r"the checkpoint: ctx\.track\(model=\.\.\., optimizer=\.\.\., "
+                           r"model2=\.\.\., name=\.\.\.\)"):
+            context.track(model, opt, torch.nn.Linear(1, 1), 3)
+        context.track(model=model, optimizer=opt)
+        for total in (1e2, -1, True, "10"):
+            with pytest.raises(TypeError, match=r"expected a whole number of steps >= 0"):
+                next(context.steps(total))   # type: ignore[arg-type]
+    finally:
+        context.checkpoints.close()
