@@ -13,6 +13,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any, ClassVar
 
+import fsspec
 import fsspec.core
 import pytest
 
@@ -307,3 +308,18 @@ def test_a_refused_connection_is_found_through_causes_and_aiohttp_os_error() -> 
 
     assert _refused(ClientConnectorError())
     assert not _refused(_raised_while_handling(refused, ValueError("unrelated")))
+
+
+def test_a_url_no_filesystem_can_open_names_the_directory_and_what_works() -> None:
+    with pytest.raises(ValueError) as info:
+        Storage("s3x://bucket/run", retry=FAST)
+    assert str(info.value).startswith(
+        "checkpoint directory s3x://bucket/run: no filesystem knows the protocol 's3x'; use "
+        "a local path, a Cloud Storage mount (/gcs/BUCKET/PATH) or gs://BUCKET/PATH")
+    # A protocol fsspec knows whose package is not installed (s3:// without s3fs).
+    fsspec.register_implementation("rtmissing", "no_such_package.NoFileSystem",
+                                   errtxt="Install no_such_package to access rtmissing")
+    with pytest.raises(ImportError) as missing:
+        Storage("rtmissing://bucket/run", retry=FAST)
+    assert str(missing.value) == ("checkpoint directory rtmissing://bucket/run: Install "
+                                  "no_such_package to access rtmissing")

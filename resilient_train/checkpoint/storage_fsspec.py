@@ -173,7 +173,18 @@ class FsspecStorage(Storage):
 
     def _filesystem(self, url: str, options: dict[str, Any]) -> tuple[Any, str]:
         """The fsspec filesystem for url, and the root as it spells paths."""
-        fs, root = fsspec.core.url_to_fs(url, **options)
+        try:
+            fs, root = fsspec.core.url_to_fs(url, **options)
+        except ValueError as exc:
+            if not str(exc).startswith("Protocol not known"):
+                raise
+            raise ValueError(
+                f"checkpoint directory {url}: no filesystem knows the protocol "
+                f"{url.split('://', 1)[0]!r}; use a local path, a Cloud Storage mount "
+                f"(/gcs/BUCKET/PATH) or gs://BUCKET/PATH (another fsspec protocol works "
+                f"once its package is installed: s3:// with s3fs)") from None
+        except ImportError as exc:   # a known protocol whose package is missing
+            raise ImportError(f"checkpoint directory {url}: {exc}") from exc
         return fs, str(root)
 
     @property
