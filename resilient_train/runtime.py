@@ -95,6 +95,25 @@ class MainOptions:
         return replace(base, save_on_sigterm=True if on is None else on)
 
 
+def _same_on_every_rank(total: int, totals: list[int]) -> None:
+    """Every rank runs the same steps: a rank with more would wait for ever in its first
+    extra step's collectives (DDP's all-reduce), while the others end and the job
+    succeeds without it. Raised on every rank alike, before the restore."""
+    if len(set(totals)) == 1:
+        return
+    by_total: dict[int, list[int]] = {}
+    for rank, t in enumerate(totals):
+        by_total.setdefault(t, []).append(rank)
+    said = "; ".join(f"{t} on rank{'s' if len(r) > 1 else ''} {', '.join(map(str, r))}"
+                     for t, r in sorted(by_total.items()))
+    raise ValueError(
+        f"ctx.steps(total) differs across ranks ({said}): every rank must run the same "
+        f"steps, or a rank with more waits for ever in the collectives of its first extra "
+        f"step. Compute the total from what every rank shares (epochs * len(loader) over a "
+        f"DistributedSampler, which gives each rank the same number of batches), not from "
+        f"this rank's own shard of the data")
+
+
 # What an unnamed tracked object is called in the fix that names it, by its classes.
 _KIND_NAMES = (("Module", "model"), ("Optimizer", "optimizer"), ("LRScheduler", "scheduler"),
                ("ReduceLROnPlateau", "scheduler"), ("GradScaler", "scaler"),
@@ -283,6 +302,8 @@ class Context:
         if isinstance(total, bool) or not isinstance(total, int) or total < 0:
             raise TypeError(f"ctx.steps(total={total!r}): expected a whole number of steps "
                             f">= 0 (an int: ctx.steps(int(total)) for a float such as 1e4)")
+        if self.world_size > 1:
+            _same_on_every_rank(total, self.checkpoints.coord.allgather(total))
         self.restore()
         start = self.step
         if start >= total and start == self.restored_step and self.is_primary:

@@ -123,6 +123,21 @@ def test_the_ddp_tutorials_own_init_inside_rt_main_is_named_with_the_fix(
             proc.stderr[-3000:]
 
 
+def test_ranks_that_would_run_different_numbers_of_steps_fail_before_the_first(
+        tmp_path: Path) -> None:
+    """Each rank's total from its own shard of the data: the rank with more steps waited
+    for ever in its first extra step's all-reduce, while the primary ended and the job
+    succeeded without it. Now every rank fails at the loop's start, nothing trained."""
+    procs = _tutorial_port(tmp_path, "uneven")
+    for proc in procs:
+        assert proc.returncode == 1, proc.stderr[-3000:]
+        assert ("ValueError: ctx.steps(total) differs across ranks (15 on rank 0; 18 on "
+                "rank 1): every rank must run the same steps") in proc.stderr, \
+            proc.stderr[-3000:]
+        assert "done" not in proc.stdout
+    assert scan(Storage(str(tmp_path / "ckpt"))) == []
+
+
 @pytest.mark.slow
 def test_named_barriers_meet_again_after_an_in_process_recovery(tmp_path: Path) -> None:
     # The survivor has passed 'eval' twice when its peer restarts; the restarted peer counts

@@ -2,8 +2,9 @@
 rt.main, 15 steps saved every 5 with a node-local tier whose every 2nd save also goes to
 the checkpoint directory (so the policy's save of the last step, 15, is node-local only).
 ``MODE``: ``destroy``: ``destroy_process_group()`` after the loop, as the tutorial's
-``cleanup()``; ``init``: ``init_process_group()`` inside the function, as its ``setup()``.
-Prints ``done RANK`` after the loop."""
+``cleanup()``; ``init``: ``init_process_group()`` inside the function, as its ``setup()``;
+``uneven``: each rank's total from its own shard (15 + 3 * rank steps). Prints ``done
+RANK`` after the loop."""
 
 import os
 
@@ -24,7 +25,7 @@ def train(ctx: rt.Context) -> None:
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     ctx.track(model=model, optimizer=opt)
     ddp = nn.parallel.DistributedDataParallel(model)
-    for _ in ctx.steps(15):
+    for _ in ctx.steps(15 + 3 * ctx.rank if MODE == "uneven" else 15):
         loss = ddp(torch.randn(16, 8)).pow(2).mean()
         opt.zero_grad()
         loss.backward()
