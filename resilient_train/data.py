@@ -297,8 +297,8 @@ class ResumableLoader:
     # shuffle= is a parameter of its own here, so it never reaches the DataLoader.
     _OWNED = ("sampler", "batch_sampler")
 
-    def __init__(self, dataset: Any, *, batch_size: int, shuffle: bool = True, seed: int = 0,
-                 drop_last: bool = False, num_replicas: int | None = None,
+    def __init__(self, dataset: Any, *, batch_size: int | None = None, shuffle: bool = True,
+                 seed: int = 0, drop_last: bool = False, num_replicas: int | None = None,
                  rank: int | None = None, seed_per_sample: bool = True,
                  **dataloader_kwargs: Any) -> None:
         owned = [k for k in self._OWNED if k in dataloader_kwargs]
@@ -307,6 +307,9 @@ class ResumableLoader:
                 f"ResumableLoader got {', '.join(owned)}=: it builds its own sampler to "
                 "checkpoint the data order; use its shuffle=, seed=, drop_last=, "
                 "num_replicas= and rank= arguments instead")
+        if batch_size is None:   # optional in the signature so that the check above comes first
+            raise TypeError("ResumableLoader needs batch_size=N: it checkpoints its position "
+                            "in batches of N samples")
         if dataloader_kwargs.get("in_order", True) is False:
             raise ValueError("in_order=False hands batches out of order, so the position "
                              "could not be checkpointed exactly: leave in_order at True")

@@ -408,6 +408,12 @@ def test_empty_dataset_is_rejected() -> None:
 def test_owned_dataloader_kwargs_are_rejected(kwarg: str) -> None:
     with pytest.raises(TypeError, match=f"{kwarg}="):
         ResumableLoader(IndexDataset(), batch_size=BATCH, **{kwarg: None})
+    # A DataLoader's batch_sampler comes without batch_size: the same message, not
+    # Python's "missing 1 required keyword-only argument".
+    with pytest.raises(TypeError, match=f"got {kwarg}=: it builds its own sampler"):
+        ResumableLoader(IndexDataset(), **{kwarg: None})
+    with pytest.raises(TypeError, match="needs batch_size=N"):
+        ResumableLoader(IndexDataset())
 
 
 def test_load_while_iterating_raises() -> None:
