@@ -222,6 +222,16 @@ def test_render_is_pure_and_a_missing_record_is_a_clear_error(
     assert main(["report", str(tmp_path / "empty")]) == 2
     err = capsys.readouterr().err
     assert "no job record" in err and "job.json" in err and "resilient-train launch" in err
+    assert "holds job directories" not in err
+    # The launcher's parent directory (rt-jobs) given for a job: its jobs, newest first.
+    for i, name in enumerate(["old", "new"]):
+        (tmp_path / "jobs" / name).mkdir(parents=True)
+        (tmp_path / "jobs" / name / "job.json").write_text("{}", encoding="utf-8")
+        os.utime(tmp_path / "jobs" / name / "job.json", (1000 + i, 1000 + i))
+    assert main(["report", str(tmp_path / "jobs")]) == 2
+    err = capsys.readouterr().err
+    assert (f"; {tmp_path / 'jobs'} holds job directories: {tmp_path / 'jobs' / 'new'}, "
+            f"{tmp_path / 'jobs' / 'old'} (newest first)") in err, err
     (tmp_path / "bad").mkdir()
     (tmp_path / "bad" / "job.json").write_text("{not json", encoding="utf-8")
     with pytest.raises(ReportError, match="not valid JSON"):

@@ -51,7 +51,21 @@ def read_job(job_dir: str | os.PathLike[str]) -> dict[str, Any]:
     except FileNotFoundError:
         raise FileNotFoundError(
             f"no job record at {path}; pass the job directory that 'resilient-train launch' "
-            "printed (it holds job.json)") from None
+            f"printed (it holds job.json){_jobs_below(path.parent)}") from None
+
+
+def _jobs_below(parent: Path) -> str:
+    """``rt-jobs`` given for a job: the newest job directories in it, to pick from."""
+    try:
+        jobs = sorted((d for d in parent.iterdir() if (d / JOB_FILE).is_file()),
+                      key=lambda d: (d / JOB_FILE).stat().st_mtime, reverse=True)
+    except OSError:
+        return ""
+    if not jobs:
+        return ""
+    more = f" and {len(jobs) - 3} older" if len(jobs) > 3 else ""
+    return (f"; {parent} holds job directories: "
+            f"{', '.join(str(d) for d in jobs[:3])}{more} (newest first)")
 
 
 def log_path(job_dir: Path, attempt: int, replica: str) -> Path:
