@@ -113,29 +113,24 @@ def test_the_ddp_tutorials_destroy_after_the_loop_keeps_the_last_checkpoint(
     assert steps[-1] == (15, True), steps
 
 
-def test_the_ddp_tutorials_own_init_inside_rt_main_is_named_with_the_fix(
-        tmp_path: Path) -> None:
-    procs = _tutorial_port(tmp_path, "init")
+@pytest.mark.parametrize("mode, says", [
+    # The tutorial's own init_process_group() inside rt.main.
+    ("init", "ValueError: the script calls torch.distributed.init_process_group() inside "
+             "rt.main, which has already formed the process group"),
+    # Each rank's total from its own shard of the data: the rank with more steps waited for
+    # ever in its first extra step's all-reduce, while the primary ended and the job
+    # succeeded without it.
+    ("uneven", "ValueError: ctx.steps(total) differs across ranks (15 on rank 0; 18 on "
+               "rank 1): every rank must run the same steps"),
+])
+def test_a_ported_scripts_mistake_fails_every_rank_before_the_first_step(
+        tmp_path: Path, mode: str, says: str) -> None:
+    procs = _tutorial_port(tmp_path, mode)
     for proc in procs:
         assert proc.returncode == 1, proc.stderr[-3000:]
-        assert ("ValueError: the script calls torch.distributed.init_process_group() inside "
-                "rt.main, which has already formed the process group") in proc.stderr, \
-            proc.stderr[-3000:]
-
-
-def test_ranks_that_would_run_different_numbers_of_steps_fail_before_the_first(
-        tmp_path: Path) -> None:
-    """Each rank's total from its own shard of the data: the rank with more steps waited
-    for ever in its first extra step's all-reduce, while the primary ended and the job
-    succeeded without it. Now every rank fails at the loop's start, nothing trained."""
-    procs = _tutorial_port(tmp_path, "uneven")
-    for proc in procs:
-        assert proc.returncode == 1, proc.stderr[-3000:]
-        assert ("ValueError: ctx.steps(total) differs across ranks (15 on rank 0; 18 on "
-                "rank 1): every rank must run the same steps") in proc.stderr, \
-            proc.stderr[-3000:]
+        assert says in proc.stderr, proc.stderr[-3000:]
         assert "done" not in proc.stdout
-    assert scan(Storage(str(tmp_path / "ckpt"))) == []
+    assert scan(Storage(str(tmp_path / "ckpt"))) == []   # nothing trained
 
 
 @pytest.mark.slow
