@@ -67,6 +67,7 @@ def test_save_every_steps_and_policy_together_is_an_error() -> None:
     ("async_save", "no", "True or False"),
     ("save_on_sigterm", "no", "True or False or None"),
     ("storage_options", "anon", "dict of fsspec options"),
+    ("undo_torn_steps", 1, "True or False"),
 ])
 def test_a_bad_value_names_the_field_the_value_and_the_fix(field: str, value: Any,
                                                            fix: str) -> None:
@@ -74,6 +75,12 @@ def test_a_bad_value_names_the_field_the_value_and_the_fix(field: str, value: An
         CheckpointOptions(**{field: value})
     msg = str(info.value)
     assert f"CheckpointOptions.{field}={value!r}" in msg and fix in msg
+
+
+def test_undoing_torn_steps_without_peer_recovery_is_a_contradiction() -> None:
+    with pytest.raises(ValueError, match="undo_torn_steps=True takes a torn step back for "
+                                         "peer recovery, which peer_recovery=False turns off"):
+        CheckpointOptions(undo_torn_steps=True, peer_recovery=False)
 
 
 def test_metadata_that_the_manifest_cannot_hold_fails_at_once() -> None:

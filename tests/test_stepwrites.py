@@ -73,6 +73,58 @@ def test_a_fused_optimizer_s_step_is_seen_though_it_moves_no_version(make: Any) 
     handle.remove()
 
 
+@pytest.mark.parametrize("fused", [False, True])
+def test_a_gans_step_torn_between_its_optimizers_is_taken_back_when_asked(
+        fused: bool) -> None:
+    """undo_torn_steps: the discriminator's optimizer (fused or not: no version moves) and
+    its scheduler stepped, then the generator's all-reduce would fail: the parameters,
+    both optimizers' state and the scheduler go back to the step's start, and the
+    batch norm's statistics to the boundary's."""
+    def gan() -> tuple[dict[str, Any], list[Any]]:
+        d, g = bn_model(), nn.Linear(4, 4)
+        opt_d = torch.optim.AdamW(d.parameters(), fused=fused)
+        opt_g = torch.optim.AdamW(g.parameters())
+        tracked = {"d": d, "g": g, "opt_d": opt_d, "opt_g": opt_g,
+                   "sched_d": torch.optim.lr_scheduler.StepLR(opt_d, 1, gamma=0.5)}
+        return tracked, [opt_d, opt_g]
+
+    def half_a_step(tracked: dict[str, Any]) -> None:
+        d, g = tracked["d"], tracked["g"]
+        d(g(torch.randn(16, 4))).sum().backward()
+        tracked["opt_d"].step()
+        tracked["sched_d"].step()
+        d(g(torch.randn(16, 4))).sum().backward()   # the generator's: its peer is gone
+
+    for before_step in (False, True):
+        torch.manual_seed(1)
+        tracked, opts = gan()
+        writes = StepWrites(tracked, before_step=before_step)
+        hooks = [o.register_step_pre_hook(lambda *_: writes.began()) for o in opts]
+        half_a_step(tracked)            # a whole first step: the optimizers have state
+        tracked["opt_g"].step()
+        writes.boundary()
+        at_start = {n: {k: v.clone() if isinstance(v, torch.Tensor) else v
+                        for k, v in o.state_dict().items()}
+                    for n, o in tracked.items() if isinstance(o, nn.Module)}
+        opt_state = {n: repr(tracked[n].state_dict()) for n in ("opt_d", "opt_g", "sched_d")}
+        half_a_step(tracked)
+        torn = writes.undo()
+        for h in hooks:
+            h.remove()
+        if not before_step:
+            assert torn.startswith("had already changed the model's parameters"), torn
+            assert "CheckpointOptions(undo_torn_steps=True) takes such a step back" in torn
+            continue
+        assert torn == ""
+        for n, state in at_start.items():
+            for k, v in tracked[n].state_dict().items():
+                assert torch.equal(v, state[k]), (n, k)
+        for n, was in opt_state.items():
+            assert repr(tracked[n].state_dict()) == was, n
+        writes.boundary()               # the copy goes with the step: the next is whole
+        assert writes.undo() == ""
+
+
 def test_a_rank_s_own_buffers_go_over_the_replicated_ones() -> None:
     mine, theirs = bn_model(), bn_model()
     mine(torch.randn(16, 4))

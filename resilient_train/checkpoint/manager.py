@@ -148,6 +148,12 @@ class CheckpointOptions:
     # Multi-rank: after a peer's restart, restore from the survivors' memory instead of
     # storage (peers.py). Costs each step a ring message of about 15 KB.
     peer_recovery: bool = True
+    # Multi-rank, with peer_recovery: copy the parameters and optimizer state as each
+    # step's first optimizer step begins, so that a survivor of a peer lost after it (a
+    # GAN's second optimizer, a metric all-reduced after opt.step()) is taken back to the
+    # step's start and recovers from memory, not from the last save. Costs that copy every
+    # step, in memory on the parameters' device (stepwrites.py).
+    undo_torn_steps: bool = False
     # An async save copies parameters and optimizer state to the host while the next step
     # computes; only the next optimizer step waits for that copy (state.HostSnapshot).
     overlap_snapshot: bool = True
@@ -179,6 +185,12 @@ class CheckpointOptions:
         expect_type("CheckpointOptions.async_save", self.async_save, bool, "True or False")
         expect_type("CheckpointOptions.peer_recovery", self.peer_recovery, bool,
                     "True or False")
+        expect_type("CheckpointOptions.undo_torn_steps", self.undo_torn_steps, bool,
+                    "True or False")
+        if self.undo_torn_steps and not self.peer_recovery:
+            raise ValueError("CheckpointOptions: undo_torn_steps=True takes a torn step back "
+                             "for peer recovery, which peer_recovery=False turns off: drop "
+                             "one of them")
         expect_type("CheckpointOptions.overlap_snapshot", self.overlap_snapshot, bool,
                     "True or False")
         expect_type("CheckpointOptions.node_local", self.node_local, (NodeLocal, NONE),
@@ -351,7 +363,9 @@ class CheckpointManager:
                               int(os.environ.get("MASTER_PORT", "0") or 0)),
                 self.coord.broadcast(new_token()), timeout_s=RING_TIMEOUT_S)
             self._ring = PeerRing(self.rank, self.world_size, group, link,
-                                  peer_memory or process_memory(), StepWrites(self._tracked))
+                                  peer_memory or process_memory(),
+                                  StepWrites(self._tracked,
+                                             before_step=self.options.undo_torn_steps))
         self._early: Early[_FromPeers] | None = None   # start_restore's transfers
         self.last_restore: RestoreRecord | None = None
         # The step pre-hooks on tracked optimizers, removed at close: a hook would keep

@@ -190,7 +190,7 @@ class PeerRing:
         self._take_arrived()
         self._done = step
         buffers = self.writes.boundary()
-        if self.writes.collective_after_step:
+        if self.writes.collective_after_step and not self.writes.undoes_steps:
             _say_collective(self.rank, step)
         early = self._sent_for == step
         same = early and _fingerprint(values, buffers) == self._sent_print
@@ -324,10 +324,12 @@ def _say_collective(rank: int, step: int) -> None:
     say_once(
         log, "collective after opt.step()", logging.WARNING if rank == 0 else logging.INFO,
         "rank %d: step %d ran a collective on the default process group after opt.step() "
-        "(an all-reduce of a metric, a barrier). A peer lost during it leaves the survivors "
-        "past their optimizer step, so the job goes back to its last checkpoint instead "
-        "of recovering from memory: run it before opt.step(), after loss.backward()",
-        rank, step)
+        "(an all-reduce of a metric, a barrier, a second optimizer's gradients). A peer "
+        "lost during it leaves the survivors past their optimizer step, so the job goes "
+        "back to its last checkpoint instead of recovering from memory: run a metric's "
+        "before opt.step(), after loss.backward(); for a step of two optimizers (a GAN's), "
+        "CheckpointOptions(undo_torn_steps=True) takes such a step back (a copy of the "
+        "parameters and optimizer state per step)", rank, step)
 
 
 def _say_large(rank: int, size: int, state: Mapping[str, Any]) -> None:

@@ -42,14 +42,18 @@ log = logging.getLogger(__name__)
 
 class StepWrites:
     """The tracked modules' state at the last step boundary, as far as a failed step can
-    be taken back to it."""
+    be taken back to it. With ``before_step``, also what the step's optimizer steps change:
+    copied as the first one begins, put back for a survivor whose step failed after it."""
 
-    def __init__(self, tracked: Mapping[str, Any]) -> None:
+    def __init__(self, tracked: Mapping[str, Any], *, before_step: bool = False) -> None:
         self._tracked = tracked   # read at each call: a module tracked later counts too
+        self._before_step = before_step
+        self._before: _BeforeStep | None = None   # the copy, in the step in flight
         self._params: int | None = None   # the parameters' version sum at the boundary
         self._stepped = False   # a tracked optimizer's step began since the boundary
-        # The default process group's collectives counted when the last optimizer step
-        # began: one issued after it (a metric's all-reduce) tears a survivor.
+        # The default process group's collectives counted when the step's first optimizer
+        # step began: one issued after it (a metric's all-reduce, a GAN's second
+        # optimizer's gradients) tears a survivor.
         self._seq_at_step: int | None = None
         self.collective_after_step = False   # ... in the step the last boundary ended
         # id(buffer) -> (buffer, its value at the boundary)
@@ -57,8 +61,18 @@ class StepWrites:
 
     def began(self) -> None:
         """A tracked optimizer's step begins (from its step pre-hook: manager.py)."""
+        if self._stepped:
+            return   # the step's second optimizer (a GAN's): its first began the step
+        if self._before_step and self._params is not None \
+                and self._walk()[0] == self._params:   # nothing else wrote them yet
+            self._before = _BeforeStep.take(self._tracked)
         self._stepped = True
         self._seq_at_step = _default_group_seq()
+
+    @property
+    def undoes_steps(self) -> bool:
+        """Whether a step torn by its optimizer steps is taken back (``before_step``)."""
+        return self._before_step
 
     def boundary(self) -> list[tuple[str, str, torch.Tensor]]:
         """A step ended (or a restore loaded one): keep its buffers' values. Returns the
@@ -67,6 +81,7 @@ class StepWrites:
         self.collective_after_step = self._stepped and self._seq_at_step is not None and \
             _default_group_seq() != self._seq_at_step
         self._stepped = False
+        self._before = None
         copies: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         dst: list[torch.Tensor] = []
         src: list[torch.Tensor] = []
@@ -90,11 +105,16 @@ class StepWrites:
         undone, to follow "its step N"."""
         if self._params is None:
             return "had begun before any step boundary of this life"
+        if self._stepped and self._before is not None:
+            self._before.put_back(self._tracked)   # the optimizer steps, taken back
+            self._before, self._stepped = None, False
+            self._params = self._walk()[0]         # copy_ moved the version counters
         params, buffers = self._walk()
         if self._stepped or params != self._params:
             return ("had already changed the model's parameters: its optimizer step had run "
                     "when a collective after it failed (a metric all-reduced after "
                     "opt.step(), which belongs before it, or a second optimizer's step: "
+                    "CheckpointOptions(undo_torn_steps=True) takes such a step back; "
                     'docs/checkpointing.md, "Recovery from live peers")')
         dst: list[torch.Tensor] = []
         src: list[torch.Tensor] = []
@@ -120,6 +140,44 @@ class StepWrites:
                     versions += p._version
             buffers += _persistent(tracked_name, prefix, module)
         return versions, buffers
+
+
+@dataclass(frozen=True)
+class _BeforeStep:
+    """What a step's optimizer steps change, as its first one begins: every tracked
+    module's parameters, every tracked optimizer's state, and the state of what else is
+    tracked and stepped after it (LR schedulers, a GradScaler); copies on their devices.
+    A ResumableLoader follows the steps itself, and buffers are put back from the
+    boundary's copies."""
+
+    params: list[torch.Tensor]
+    values: list[torch.Tensor]
+    states: dict[str, Any]   # tracked name -> a deep copy of its state_dict()
+
+    @staticmethod
+    def take(tracked: Mapping[str, Any]) -> _BeforeStep:
+        import copy
+
+        from ..data import ResumableLoader
+
+        seen: dict[int, torch.Tensor] = {}
+        for _, _, module in _modules(tracked):
+            for p in module._parameters.values():
+                if p is not None:
+                    seen.setdefault(id(p), p)
+        params = list(seen.values())
+        with torch.no_grad():
+            values = [p.detach().clone() for p in params]
+        states = {name: copy.deepcopy(obj.state_dict()) for name, obj in tracked.items()
+                  if not isinstance(obj, (torch.nn.Module, ResumableLoader))}
+        return _BeforeStep(params, values, states)
+
+    def put_back(self, tracked: Mapping[str, Any]) -> None:
+        if self.params:
+            with torch.no_grad():
+                torch._foreach_copy_(self.params, self.values)
+        for name, state in self.states.items():
+            tracked[name].load_state_dict(state)
 
 
 def _default_group_seq() -> int | None:
