@@ -8,7 +8,7 @@ the step's end to see whether they changed), one ring exchange with the neighbou
 15 KB each way, waited for), a step-end message without waiting, and a sum of the tracked
 modules' tensor version counters.
 
-Two measurements, in one run:
+Three measurements, in one run:
 
 1. **The ring alone**, on 2 real processes over gloo on 127.0.0.1: the same training-loop
    calls a step makes (a tracked optimizer's ``step()``, then the manager's step boundary)
@@ -19,7 +19,10 @@ Two measurements, in one run:
    launcher for ``--charlm-steps`` steps with its default sizes; the mean step time from
    the workers' own telemetry (the launcher's goodput record), steps after the first 10.
 
-Prints both and the ratio, and writes JSON (with the load average) to
+3. **undo_torn_steps' copy** (opt-in: ``CheckpointOptions(undo_torn_steps=True)``): what
+   each step's first optimizer step costs with it, on train_charlm.py's model and AdamW.
+
+Prints them and the ratios, and writes JSON (with the load average) to
 benchmarks/results/peers.json.
 """
 
@@ -122,6 +125,38 @@ def charlm_step(steps: int) -> dict[str, float]:
     return {"steps": steps, "mean_step_s": per_step}
 
 
+def undo_copy(repeats: int) -> dict[str, float]:
+    """``undo_torn_steps``' copy, taken as each step's first optimizer step begins, on
+    examples/train_charlm.py's model at its default sizes, with its AdamW (after one step:
+    its moments exist) and its schedule; one thread, as each of the 2 workers has here."""
+    import importlib.util
+
+    import torch
+
+    from resilient_train.checkpoint.stepwrites import BeforeStep
+
+    spec = importlib.util.spec_from_file_location("train_charlm",
+                                                  REPO / "examples" / "train_charlm.py")
+    assert spec is not None and spec.loader is not None
+    charlm = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(charlm)
+    torch.set_num_threads(1)
+    model = charlm.CharLM(64)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.01)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: charlm.lr_at(s, 600))
+    model(torch.randint(0, 256, (16, 64))).sum().backward()
+    opt.step()
+    tracked = {"model": model, "optimizer": opt, "scheduler": sched}
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        BeforeStep.take(tracked)
+        times.append(time.perf_counter() - t0)
+    nbytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    return {"repeats": repeats, "mean_s": statistics.fmean(times),
+            "median_s": statistics.median(times), "param_bytes": nbytes}
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--steps", type=int, default=2000)
@@ -135,15 +170,21 @@ def main() -> None:
     load0 = os.getloadavg()
     r = ring(args.steps)
     c = charlm_step(args.charlm_steps)
+    u = undo_copy(max(50, args.steps // 10))
     fraction = r["cost_s"] / c["mean_step_s"]
+    undo_fraction = u["mean_s"] / c["mean_step_s"]
     result = {**stamp(), "ring": r, "charlm": c, "cost_fraction_of_charlm_step": fraction,
-              "target_fraction": 0.01, "loadavg_start": load0, "loadavg_end": os.getloadavg(),
-              "cpus": os.cpu_count()}
+              "target_fraction": 0.01, "undo_copy": u,
+              "undo_copy_fraction_of_charlm_step": undo_fraction,
+              "loadavg_start": load0, "loadavg_end": os.getloadavg(), "cpus": os.cpu_count()}
     print(f"ring, per step: on {r['on_mean_s'] * 1e6:.0f} us, off {r['off_mean_s'] * 1e6:.0f} "
           f"us: cost {r['cost_s'] * 1e6:.0f} us")
     print(f"train_charlm.py step (2 workers): {c['mean_step_s'] * 1e3:.1f} ms")
     print(f"cost / step: {fraction:.2%} (target <= 1%); load {load0[0]:.1f} -> "
           f"{result['loadavg_end'][0]:.1f}")
+    print(f"undo_torn_steps' copy (opt-in): {u['mean_s'] * 1e3:.2f} ms per step for "
+          f"{u['param_bytes'] / 2**20:.1f} MiB of parameters and AdamW's moments: "
+          f"{undo_fraction:.1%} of the step")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=1))
 

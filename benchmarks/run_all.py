@@ -765,6 +765,15 @@ def section_peers(d: dict[str, Any]) -> Section:
         ok = target is None or frac <= target
         md += ["", f"Cost per step: {frac:.2%} of a train_charlm.py step (target <= "
                f"{(target or 0):.0%}: {'met' if ok else 'NOT met'})."]
+    undo, undo_frac = d.get("undo_copy") or {}, d.get("undo_copy_fraction_of_charlm_step")
+    if undo and undo_frac is not None:
+        md += ["", f"Opt-in `undo_torn_steps=True` (a step torn after its first optimizer "
+               f"step, a GAN's, recovers from memory): its copy as each step's first "
+               f"optimizer step begins, train_charlm.py's model ("
+               f"{fnum((undo.get('param_bytes') or 0) / 2**20, 1)} MiB of parameters) with "
+               f"AdamW's moments and its schedule, one thread: "
+               f"{fnum((undo.get('mean_s') or 0) * 1e3, 2)} ms per step, {undo_frac:.1%} of "
+               f"a step."]
     return "\n".join(md), {}
 
 

@@ -37,6 +37,8 @@ from typing import Any
 import torch
 import torch.distributed as dist  # loaded with torch: here it costs nothing per step
 
+from .state import tree_map_tensors
+
 log = logging.getLogger(__name__)
 
 
@@ -48,7 +50,7 @@ class StepWrites:
     def __init__(self, tracked: Mapping[str, Any], *, before_step: bool = False) -> None:
         self._tracked = tracked   # read at each call: a module tracked later counts too
         self._before_step = before_step
-        self._before: _BeforeStep | None = None   # the copy, in the step in flight
+        self._before: BeforeStep | None = None   # the copy, in the step in flight
         self._params: int | None = None   # the parameters' version sum at the boundary
         self._stepped = False   # a tracked optimizer's step began since the boundary
         # The default process group's collectives counted when the step's first optimizer
@@ -65,7 +67,7 @@ class StepWrites:
             return   # the step's second optimizer (a GAN's): its first began the step
         if self._before_step and self._params is not None \
                 and self._walk()[0] == self._params:   # nothing else wrote them yet
-            self._before = _BeforeStep.take(self._tracked)
+            self._before = BeforeStep.take(self._tracked)
         self._stepped = True
         self._seq_at_step = _default_group_seq()
 
@@ -143,7 +145,7 @@ class StepWrites:
 
 
 @dataclass(frozen=True)
-class _BeforeStep:
+class BeforeStep:
     """What a step's optimizer steps change, as its first one begins: every tracked
     module's parameters, every tracked optimizer's state, and the state of what else is
     tracked and stepped after it (LR schedulers, a GradScaler); copies on their devices.
@@ -152,12 +154,10 @@ class _BeforeStep:
 
     params: list[torch.Tensor]
     values: list[torch.Tensor]
-    states: dict[str, Any]   # tracked name -> a deep copy of its state_dict()
+    states: dict[str, Any]   # tracked name -> a copy of its state_dict()
 
     @staticmethod
-    def take(tracked: Mapping[str, Any]) -> _BeforeStep:
-        import copy
-
+    def take(tracked: Mapping[str, Any]) -> BeforeStep:
         from ..data import ResumableLoader
 
         seen: dict[int, torch.Tensor] = {}
@@ -168,9 +168,11 @@ class _BeforeStep:
         params = list(seen.values())
         with torch.no_grad():
             values = [p.detach().clone() for p in params]
-        states = {name: copy.deepcopy(obj.state_dict()) for name, obj in tracked.items()
-                  if not isinstance(obj, (torch.nn.Module, ResumableLoader))}
-        return _BeforeStep(params, values, states)
+            # A copy of each container and tensor (copy.deepcopy: 6x the time).
+            states = {name: tree_map_tensors(torch.Tensor.clone, obj.state_dict())
+                      for name, obj in tracked.items()
+                      if not isinstance(obj, (torch.nn.Module, ResumableLoader))}
+        return BeforeStep(params, values, states)
 
     def put_back(self, tracked: Mapping[str, Any]) -> None:
         if self.params:
