@@ -125,6 +125,26 @@ def test_a_gans_step_torn_between_its_optimizers_is_taken_back_when_asked(
         assert writes.undo() == ""
 
 
+def test_a_torn_step_whose_copy_will_not_load_stays_torn_and_says_why() -> None:
+    class Refuses:
+        def state_dict(self) -> dict[str, Any]:
+            return {"n": 1}
+
+        def load_state_dict(self, state: dict[str, Any]) -> None:
+            raise ValueError("read-only")
+
+    model = bn_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    writes = StepWrites({"model": model, "optimizer": opt, "odd": Refuses()},
+                        before_step=True)
+    handle = opt.register_step_pre_hook(lambda *_: writes.began())
+    writes.boundary()
+    model(torch.randn(16, 4)).sum().backward()
+    opt.step()
+    handle.remove()
+    assert writes.undo() == "could not be taken back to its start (ValueError: read-only)"
+
+
 def test_a_rank_s_own_buffers_go_over_the_replicated_ones() -> None:
     mine, theirs = bn_model(), bn_model()
     mine(torch.randn(16, 4))

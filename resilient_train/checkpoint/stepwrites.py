@@ -108,8 +108,12 @@ class StepWrites:
         if self._params is None:
             return "had begun before any step boundary of this life"
         if self._stepped and self._before is not None:
-            self._before.put_back(self._tracked)   # the optimizer steps, taken back
-            self._before, self._stepped = None, False
+            before, self._before = self._before, None
+            try:
+                before.put_back(self._tracked)     # the optimizer steps, taken back
+            except Exception as exc:  # noqa: BLE001 - an object that refuses its own state
+                return f"could not be taken back to its start ({type(exc).__name__}: {exc})"
+            self._stepped = False
             self._params = self._walk()[0]         # copy_ moved the version counters
         params, buffers = self._walk()
         if self._stepped or params != self._params:
