@@ -233,3 +233,27 @@ def test_chaos_wipe_and_corrupt_hit_the_disk_a_restore_reads(tmp_path: Path, cap
     assert "node-local copy of step(s) 7 does not verify" in mgr.last_restore.reason
     assert wipe_disk(tmp_path / "local") != [] and list((tmp_path / "local").iterdir()) == []
     assert wipe_disk(tmp_path / "nowhere") == []
+
+
+def test_a_save_the_loop_waits_for_names_the_tiers_it_writes(tmp_path: Path) -> None:
+    """The progress lines of a save that the loop waits for: where it goes and of how much
+    (each tier gets the state). A save to the machine's disk alone named the checkpoint
+    directory, and counted its bytes, which that save never moves."""
+    net = torch.nn.Linear(256, 256)
+    state = sum(t.numel() * t.element_size() for t in net.state_dict().values())
+    local, ckpt = tmp_path / "local", tmp_path / "ckpt"
+    with rt.CheckpointManager(ckpt, options=rt.CheckpointOptions(
+            node_local=rt.NodeLocal(directory=str(local), persistent_every=2))) as mgr:
+        mgr.track(model=net)
+        seen = []
+        for step, persistent, node_local in ((1, True, True), (2, False, True),
+                                             (3, True, False)):
+            mgr.save(step, persistent=persistent, node_local=node_local)
+            progress = mgr._progress_of_save()
+            seen.append((progress.what, progress.total))
+            mgr.wait()
+            assert progress.done() > 0   # its tiers' own counters moved
+    # The state: the model and this rank's own (its RNG streams), in each tier.
+    assert seen[1][0] == f"saving step 2 to {local}" and state < seen[1][1] < 2 * state
+    assert seen[0] == (f"saving step 1 to {local} and {ckpt}", 2 * seen[1][1])
+    assert seen[2] == (f"saving step 3 to {ckpt}", seen[1][1])

@@ -343,7 +343,8 @@ class CheckpointManager:
         self._thread = WriterThread("rt-ckpt-writer")
         self._inflight: Future[None] | None = None
         self._writing = (0, time.monotonic())   # the last save's start: bytes moved, time
-        self._writing_tree: Any = None   # what it writes to the persistent tier (progress)
+        self._writing_to: list[Storage] = []    # ... and the tiers it writes
+        self._writing_tree: Any = None   # what it writes to each tier (progress)
         self._error: BaseException | None = None
         self.last_commit_step: int | None = None
         self._recorded: int | None = None   # committed, its writer record not yet written
@@ -537,10 +538,12 @@ class CheckpointManager:
         if staged is not None:
             snap["dcp"] = staged  # already a host copy: DCP's stager made it
         self.scheduler.saving(step)
-        self._writing = (self.storage.bytes_moved, time.monotonic())
+        self._writing_to = ([self._local.storage] if local and self._local else []) + \
+            ([self.storage] if persistent else [])
+        self._writing = (self._moved(), time.monotonic())
         # Its size, for the progress lines, is summed only if the loop waits for it. A
         # sharded save's total is DCP's to know.
-        self._writing_tree = snap if persistent and "dcp" not in snap else None
+        self._writing_tree = snap if "dcp" not in snap else None
         if sync:
             with self._progress_of_save():
                 self._write_tiers(step, snap, local, persistent)
@@ -720,16 +723,22 @@ class CheckpointManager:
         if self._error is not None:
             self._raise_error()
 
+    def _moved(self) -> int:
+        """Bytes the last save's tiers have written, in all (what its progress counts)."""
+        return sum(st.bytes_moved for st in self._writing_to)
+
     def _progress_of_save(self) -> Progress:
         """Lines on the primary while the loop waits for a long write (the final save of
         tens of GB, a save that the next one waits for), counted from the save's start."""
         tree = self._writing_tree if self.is_primary else None
-        # What goes into the primary's files (the replicated state and its rank's), less
-        # their headers.
-        total = tree_nbytes(tree) if tree is not None else None
-        return Progress(f"saving step {self.scheduler.last_save_step} to {self.storage.url}",
-                        lambda: self.storage.bytes_moved, total=total, since=self._writing,
-                        after_s=None if self.is_primary else math.inf, log=log)
+        tiers = self._writing_to or [self.storage]
+        # What goes into the primary's files (the replicated state and its rank's) in each
+        # tier, less their headers.
+        total = tree_nbytes(tree) * len(tiers) if tree is not None else None
+        return Progress(f"saving step {self.scheduler.last_save_step} to "
+                        f"{' and '.join(st.url for st in tiers)}", self._moved, total=total,
+                        since=self._writing, after_s=None if self.is_primary else math.inf,
+                        log=log)
 
     def close(self) -> None:
         try:
