@@ -95,10 +95,11 @@ class MainOptions:
         return replace(base, save_on_sigterm=True if on is None else on)
 
 
-def _same_on_every_rank(total: int, totals: list[int]) -> None:
-    """Every rank runs the same steps: a rank with more would wait for ever in its first
-    extra step's collectives (DDP's all-reduce), while the others end and the job
-    succeeds without it. Raised on every rank alike, before the restore."""
+def _same_on_every_rank(totals: list[int]) -> None:
+    """Every rank runs the same steps (``totals``: each rank's): a rank with more would
+    wait for ever in its first extra step's collectives (DDP's all-reduce), while the
+    others end and the job succeeds without it. Raised on every rank alike, before the
+    restore."""
     if len(set(totals)) == 1:
         return
     by_total: dict[int, list[int]] = {}
@@ -303,7 +304,7 @@ class Context:
             raise TypeError(f"ctx.steps(total={total!r}): expected a whole number of steps "
                             f">= 0 (an int: ctx.steps(int(total)) for a float such as 1e4)")
         if self.world_size > 1:
-            _same_on_every_rank(total, self.checkpoints.coord.allgather(total))
+            _same_on_every_rank(self.checkpoints.coord.allgather(total))
         self.restore()
         start = self.step
         if start >= total and start == self.restored_step and self.is_primary:
