@@ -22,13 +22,14 @@ SCRIPT = Path(__file__).resolve().parent / "workers" / "tutorial_snapshot.py"
 WORKER = "workerpool1-0"
 
 
-def _launch(tmp_path: Path, *extra: str) -> tuple[subprocess.Popen[str], Path]:
+def _launch(tmp_path: Path, *extra: str, timeout: str = "150s"
+            ) -> tuple[subprocess.Popen[str], Path]:
     job_dir = tmp_path / "job"
     env = {**os.environ, "RESILIENT_TRAIN_QUOTA_DIR": str(tmp_path / "quota"),
            "RESILIENT_TRAIN_GPUS": "none"}
     proc = subprocess.Popen(
         [sys.executable, "-m", "resilient_train.cli", "launch", "--workers", "2",
-         "--job-dir", str(job_dir), "--timeout", "150s", "--quiet", *extra, "--",
+         "--job-dir", str(job_dir), "--timeout", timeout, "--quiet", *extra, "--",
          sys.executable, str(SCRIPT), "40", "5", "--batch_size", "64"],
         cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     return proc, job_dir
@@ -52,10 +53,21 @@ def _logs(job_dir: Path, replica: str) -> str:
 
 
 def test_a_node_loss_fails_the_plain_script_with_its_cause_and_the_fixes(tmp_path: Path) -> None:
-    proc, job_dir = _launch(tmp_path)
+    proc, job_dir = _launch(tmp_path, timeout="90s")
     _kill_worker_after_its_snapshot(proc, job_dir)
-    out, _ = proc.communicate(timeout=120)
+    out, _ = proc.communicate(timeout=150)
     record = json.loads((job_dir / "job.json").read_text())
+    # The killed worker was restarted in place (rule 7) before the survivor's end ended it.
+    assert any(e["message"].startswith(f"{WORKER}: killed by SIGKILL from outside")
+               for e in record["events"])
+    if "ran longer than its timeout" in (record.get("error") or {}).get("message", "") and \
+            "Traceback" not in _logs(job_dir, "workerpool0-0"):
+        # Plain torch, now and then on loaded cores: the survivor reached its next
+        # collective only after the restarted worker had joined its old store and gloo
+        # listener, and waits there for ever (what @rt.main's generations prevent).
+        pytest.skip("the plain script's survivor hung in its collective instead of failing "
+                    "(the restarted peer joined its old group first): the job ran to its "
+                    "timeout; the message of a survivor's exit 1 is checked on the other runs")
     if record["state"] != "JOB_STATE_FAILED" and \
             "terminate called without an active exception" in _logs(job_dir, "workerpool0-0"):
         # Now and then torch aborts on its way out after the survivor's traceback (SIGABRT:
@@ -76,9 +88,6 @@ def test_a_node_loss_fails_the_plain_script_with_its_cause_and_the_fixes(tmp_pat
         assert fix in message
     assert "Traceback (most recent call last):" in message
     assert proc.returncode == 1
-    # The killed worker was restarted in place (rule 7) before the survivor's exit ended it.
-    assert any(e["message"].startswith(f"{WORKER}: killed by SIGKILL from outside")
-               for e in record["events"])
 
 
 def test_restarting_the_job_on_a_worker_restart_starts_every_replica_afresh(
