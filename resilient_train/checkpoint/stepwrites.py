@@ -107,15 +107,16 @@ class StepWrites:
         undone, to follow "its step N"."""
         if self._params is None:
             return "had begun before any step boundary of this life"
-        if self._stepped and self._before is not None:
-            before, self._before = self._before, None
+        before, self._before = self._before, None   # set only once a step has begun
+        if before is not None:
             try:
                 before.put_back(self._tracked)     # the optimizer steps, taken back
             except Exception as exc:  # noqa: BLE001 - an object that refuses its own state
                 return f"could not be taken back to its start ({type(exc).__name__}: {exc})"
             self._stepped = False
-            self._params = self._walk()[0]         # copy_ moved the version counters
         params, buffers = self._walk()
+        if before is not None:
+            self._params = params                  # copy_ moved the version counters
         if self._stepped or params != self._params:
             return ("had already changed the model's parameters: its optimizer step had run "
                     "when a collective after it failed (a metric all-reduced after "

@@ -64,7 +64,7 @@ from fsspec.exceptions import FSTimeoutError
 
 from .fileio import PartBuffers, SeekableReader
 from .manifest import Crc32c
-from .storage import OBJECT_STORE, TMP_FILE_PREFIX, Budget, Storage
+from .storage import OBJECT_STORE, TMP_FILE_PREFIX, Budget, Storage, split_protocol
 from .storage_errors import ShortReadError, StorageError, describe, is_transient
 
 logger = logging.getLogger(__name__)
@@ -180,7 +180,7 @@ class FsspecStorage(Storage):
                 raise
             raise ValueError(
                 f"checkpoint directory {url}: no filesystem knows the protocol "
-                f"{url.split('://', 1)[0]!r}; use a local path, a Cloud Storage mount "
+                f"{split_protocol(url)[0]!r}; use a local path, a Cloud Storage mount "
                 f"(/gcs/BUCKET/PATH) or gs://BUCKET/PATH (another fsspec protocol works "
                 f"once its package is installed: s3:// with s3fs)") from None
         except ImportError as exc:   # a known protocol whose package is missing
