@@ -29,6 +29,7 @@ from resilient_train.checkpoint.state import (
     collect,
     restore,
     restore_rng,
+    rng_fingerprint,
     tree_map_tensors,
     tree_nbytes,
     tree_on_host,
@@ -79,6 +80,55 @@ def test_rng_round_trip_through_weights_only_load() -> None:
     first = draw()
     restore_rng(state)
     assert same(first, draw())
+
+
+@needs_numpy
+def test_numpy_rng_is_read_again_exactly_when_it_may_have_moved() -> None:
+    """numpy's state is reused from the last reading while the generator's raw key and
+    position are unchanged (peer recovery reads it twice a step); a cached Gaussian, which
+    the next draw consumes without moving them, and a restore are never taken for
+    unchanged."""
+    from resilient_train.checkpoint import state as state_mod
+
+    def numpy_now() -> tuple[Any, ...]:
+        _, key, pos, has_gauss, cached = np.random.get_state(legacy=True)
+        return key.tobytes(), int(pos), int(has_gauss), float(cached)
+
+    def fingerprint_ok() -> None:
+        assert rng_fingerprint()[3] == numpy_now()
+        got = capture_rng()["numpy"]
+        assert rng_fingerprint({**capture_rng(), "numpy": got})[3] == numpy_now()
+
+    np.random.seed(3)
+    reading = state_mod._NUMPY_RNG.read(np)
+    assert state_mod._NUMPY_RNG._fast, "numpy's MT19937 layout was not recognised"
+    assert state_mod._NUMPY_RNG.read(np) is reading          # nothing drawn: reused
+    fingerprint_ok()
+    np.random.rand()                                           # the key's position moves
+    fingerprint_ok()
+    np.random.standard_normal()                                # draws two, caches one
+    assert capture_rng()["numpy"]["has_gauss"] == 1
+    fingerprint_ok()
+    pos = np.random.get_state()[2]
+    np.random.standard_normal()                                # the cached one: no move
+    assert np.random.get_state()[2] == pos
+    assert capture_rng()["numpy"]["has_gauss"] == 0
+    fingerprint_ok()
+    np.random.standard_normal()
+    with_gauss = capture_rng()
+    np.random.seed(3)
+    np.random.rand(4)
+    plain = capture_rng()                                      # has_gauss 0
+    restore_rng(with_gauss)                                    # set_state: read again
+    assert capture_rng()["numpy"]["has_gauss"] == 1
+    fingerprint_ok()
+    restore_rng(plain)
+    assert capture_rng()["numpy"]["has_gauss"] == 0
+    first = np.random.rand(3)
+    restore_rng(plain)
+    assert np.array_equal(first, np.random.rand(3))
+    one, two = capture_rng(), capture_rng()                    # own dicts, one key tensor
+    assert one["numpy"] is not two["numpy"] and one["numpy"]["key"] is two["numpy"]["key"]
 
 
 def test_rng_stateful_wrapper() -> None:

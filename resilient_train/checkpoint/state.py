@@ -13,12 +13,14 @@ into already-touched buffers is 5-10x faster than a fresh ``clone`` (docs/librar
 from __future__ import annotations
 
 import copy
+import ctypes
 import enum
 import functools
 import logging
 import pickle
 import random
 import re
+import sys
 import threading
 import time
 from collections import Counter, OrderedDict
@@ -111,15 +113,7 @@ def capture_rng() -> dict[str, Any]:
         state["torch_cuda"] = list(torch.cuda.get_rng_state_all())
     np = _numpy()
     if np is not None:
-        name, key, pos, has_gauss, cached = np.random.get_state(legacy=True)
-        state["numpy"] = {
-            "bit_generator": str(name),
-            # uint32 -> int64: every torch version stores and loads int64 tensors.
-            "key": torch.from_numpy(key.astype(np.int64)),
-            "pos": int(pos),
-            "has_gauss": int(has_gauss),
-            "cached_gaussian": float(cached),
-        }
+        state["numpy"] = dict(_NUMPY_RNG.read(np).captured)
     return state
 
 
@@ -137,10 +131,8 @@ def rng_fingerprint(captured: Mapping[str, Any] | None = None) -> tuple[Any, ...
     cuda = tuple(bytes(s.numpy()) for s in torch.cuda.get_rng_state_all()) \
         if torch.cuda.is_initialized() else ()
     np = _numpy()
-    now = np.random.get_state(legacy=True) if np is not None else None
     return (bytes(torch.get_rng_state().numpy()), random.getstate(), cuda,
-            None if now is None else (now[1].tobytes(), int(now[2]), int(now[3]),
-                                      float(now[4])))
+            None if np is None else _NUMPY_RNG.read(np).fingerprint)
 
 
 def restore_rng(state: Mapping[str, Any]) -> None:
@@ -195,6 +187,7 @@ def _restore_numpy_rng(np_state: Mapping[str, Any]) -> None:
         logger.warning("checkpoint has numpy's RNG state but numpy is not importable here; "
                        "not restored (install numpy if the training code draws from it)")
         return
+    _NUMPY_RNG.forget()   # the state set may differ from the last reading in its Gaussian
     np.random.set_state((
         np_state["bit_generator"],
         np_state["key"].cpu().numpy().astype(np.uint32),
@@ -210,6 +203,72 @@ def _numpy() -> Any:
     except ImportError:
         return None
     return numpy
+
+
+@dataclass(frozen=True)
+class _NumpyReading:
+    raw: bytes                    # the generator's key and position, as numpy holds them
+    has_gauss: int
+    captured: dict[str, Any]      # capture_rng's "numpy" entry
+    fingerprint: tuple[Any, ...]  # rng_fingerprint's part for numpy
+
+
+class _NumpyRng:
+    """numpy's legacy global generator (``np.random.get_state(legacy=True)``), read again
+    only where it may have moved. ``get_state`` copies the 624-word key into a new array
+    (some 45 us), and peer recovery reads the state twice a step (peers.py) although most
+    loops never draw from numpy. The generator's raw state, its key and position (numpy's
+    ``mt19937_state`` struct, at the documented ``BitGenerator.ctypes.state_address``),
+    is a 2.5 KB memcpy: unchanged bytes mean an unchanged state, except for the legacy
+    Gaussian that a draw caches and the next draw consumes without moving the key. So a
+    reading that holds a cached Gaussian is never reused, and :func:`restore_rng`'s
+    ``set_state`` forgets the last reading. The layout is checked against ``get_state``
+    at the first reading; where it differs (another numpy), every reading is a full one.
+    """
+
+    _SIZE = 624 * 4 + 4   # uint32 key[624]; int pos
+
+    def __init__(self) -> None:
+        self._last: _NumpyReading | None = None
+        self._fast: bool | None = None   # None: the layout is not checked yet
+
+    def forget(self) -> None:
+        self._last = None
+
+    def read(self, np: Any) -> _NumpyReading:
+        raw = self._raw(np) if self._fast is not False else b""
+        last = self._last
+        if raw and last is not None and not last.has_gauss and raw == last.raw:
+            return last
+        name, key, pos, has_gauss, cached = np.random.get_state(legacy=True)
+        if self._fast is None:
+            self._fast = raw == key.tobytes() + int(pos).to_bytes(4, sys.byteorder, signed=True)
+            if not self._fast:
+                logger.debug("numpy's MT19937 state is not laid out as expected: its RNG is "
+                             "read with get_state every time")
+        captured = {
+            "bit_generator": str(name),
+            # uint32 -> int64: every torch version stores and loads int64 tensors.
+            "key": torch.from_numpy(key.astype(np.int64)),
+            "pos": int(pos),
+            "has_gauss": int(has_gauss),
+            "cached_gaussian": float(cached),
+        }
+        reading = _NumpyReading(raw if self._fast else b"", int(has_gauss), captured,
+                                (key.tobytes(), int(pos), int(has_gauss), float(cached)))
+        self._last = reading
+        return reading
+
+    @staticmethod
+    def _raw(np: Any) -> bytes:
+        try:
+            address = np.random.mtrand._rand._bit_generator.ctypes.state_address
+        except AttributeError:
+            return b""
+        return ctypes.string_at(address, _NumpyRng._SIZE)
+
+
+_NUMPY_RNG = _NumpyRng()
 
 
 class RngState:
