@@ -11,6 +11,7 @@ exit code the platform understands (errors.py): transient 134, permanent 1.
 
 from __future__ import annotations
 
+import atexit
 import collections
 import functools
 import logging
@@ -557,6 +558,42 @@ def _alone_at_a_terminal(group: Any) -> bool:
     return tty and group.world_size == 1 and not any(v in os.environ for v in _SUPERVISED_ENV)
 
 
+class _Uncalled:
+    """Says, at exit, that the script decorated its training function with ``@rt.main``
+    and never called it: the run then ends at once with exit 0, and a job of it
+    "succeeds" having trained nothing (the decorator does not run the function, as
+    ``if __name__ == "__main__": train()`` at the script's end does). Only for functions
+    of the script itself (``__main__``), and only when none of them was called: a script
+    with two entry points calls one; and only in a job (``CLUSTER_SPEC`` set, by the
+    platform or the launcher), where the job's SUCCEEDED hides it: at a terminal the
+    script's silence shows it, and ``python train.py --help`` ends without calling it."""
+
+    def __init__(self) -> None:
+        self.names: list[str] = []
+        self.ran = False
+
+    def decorated(self, func: Callable[..., Any]) -> None:
+        if getattr(func, "__module__", None) != "__main__" or CLUSTER_SPEC_ENV not in os.environ:
+            return
+        if not self.names:
+            atexit.register(self.check)
+        self.names.append(getattr(func, "__qualname__", "the function"))
+
+    def called(self) -> None:
+        self.ran = True
+
+    def check(self) -> None:
+        if self.names and not self.ran:
+            some = len(self.names) > 1
+            log.warning("%s %s decorated with @rt.main but the script never called %s, so "
+                        "nothing was trained: end the script with `if __name__ == "
+                        "\"__main__\": %s()`", " and ".join(f"{n}()" for n in self.names),
+                        "are" if some else "is", "either" if some else "it", self.names[0])
+
+
+_UNCALLED = _Uncalled()
+
+
 def main(fn: Callable[..., R] | None = None, *,
          options: MainOptions | None = None) -> Any:
     """Decorate ``def train(ctx: rt.Context, ...)``; use as ``@rt.main`` or
@@ -574,10 +611,14 @@ def main(fn: Callable[..., R] | None = None, *,
     opts = options or MainOptions()
 
     def decorate(func: Callable[..., R]) -> Callable[..., R]:
+        _UNCALLED.decorated(func)
+
         @functools.wraps(func)
         @record  # an escaping exception: error report + transient/permanent exit code
         def wrapper(*args: Any, **kwargs: Any) -> R:
             from .distributed.group import init_distributed
+
+            _UNCALLED.called()
 
             # SIGTERM before the checkpoint manager exists (forming the group) or between
             # two lives (re-forming it): the waits for peers leave, with exit 134.

@@ -4,7 +4,10 @@ every policy unless removed by name, and a clear error for options that contradi
 from __future__ import annotations
 
 import math
+import os
 import signal
+import subprocess
+import sys
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -136,6 +139,57 @@ def test_options_given_to_rt_main_wrongly_fail_as_it_decorates(decorate: Any,
     with pytest.raises(TypeError) as info:
         decorate()
     assert says in str(info.value)
+
+
+def test_a_script_that_never_calls_its_rt_main_function_is_told_at_exit(
+        tmp_path: Path) -> None:
+    """A job whose script decorates ``train`` and forgets to call it exits 0 at once, and
+    the job SUCCEEDS having trained nothing: the worker says why as it exits (only in a
+    job: ``python train.py --help`` at a terminal ends without calling it too)."""
+    script = tmp_path / "train.py"
+    script.write_text("import resilient_train as rt\n\n@rt.main\ndef train(ctx):\n"
+                      "    pass\n")
+    spec = ('{"cluster": {"workerpool0": ["localhost:2222"]}, "environment": "cloud", '
+            '"task": {"type": "workerpool0", "index": 0}}')
+    env = {k: v for k, v in os.environ.items() if k != "CLUSTER_SPEC"}
+    in_job = subprocess.run([sys.executable, str(script)], env=env | {"CLUSTER_SPEC": spec},
+                            capture_output=True, text=True, timeout=60, check=False)
+    assert in_job.returncode == 0
+    assert ("train() is decorated with @rt.main but the script never called it, so nothing "
+            'was trained: end the script with `if __name__ == "__main__": train()`'
+            ) in in_job.stderr
+    at_terminal = subprocess.run([sys.executable, str(script)], env=env, capture_output=True,
+                                 text=True, timeout=60, check=False)
+    assert at_terminal.returncode == 0 and "never called" not in at_terminal.stderr
+
+
+def test_the_uncalled_check_is_quiet_once_one_entry_point_ran(
+        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    from resilient_train.runtime import _Uncalled
+
+    monkeypatch.setenv("CLUSTER_SPEC", "{}")
+    monkeypatch.setattr("atexit.register", lambda fn: fn)
+
+    def entry(name: str, module: str = "__main__") -> Any:
+        def fn() -> None: ...
+        fn.__module__, fn.__qualname__ = module, name
+        return fn
+
+    two = _Uncalled()
+    two.decorated(entry("train"))
+    two.decorated(entry("evaluate"))
+    two.decorated(entry("helper", module="mylib"))   # a library's: not the script's
+    with caplog.at_level("WARNING"):
+        two.check()
+    assert "train() and evaluate() are decorated with @rt.main but the script never " \
+           "called either" in caplog.text and "helper" not in caplog.text
+    caplog.clear()
+    two.called()   # one of the script's entry points ran: the other is its choice
+    two.check()
+    imported = _Uncalled()
+    imported.decorated(entry("helper", module="mylib"))
+    imported.check()
+    assert caplog.text == ""
 
 
 def test_a_known_option_still_builds_and_replaces() -> None:
