@@ -128,6 +128,35 @@ def test_rank_state_bytes_are_the_same_for_the_same_state_and_round_trip():
                                                                     "values": {}})
 
 
+def test_a_handed_over_state_is_copied_only_while_its_objects_live_on() -> None:
+    import gc
+    import weakref
+
+    from resilient_train.checkpoint.peers import PeerMemory
+
+    def handed_over(model: torch.nn.Module) -> PeerMemory:
+        m = PeerMemory(replicated={"model": model.state_dict()}, replicated_step=7)
+        m.owners = [weakref.ref(model)]
+        return m
+
+    kept = torch.nn.Linear(3, 3)
+    m = handed_over(kept)
+    m.detach(rank=1)
+    copy = m.replicated["model"]["weight"]
+    assert not m.owners and copy.data_ptr() != kept.weight.data_ptr()
+    with torch.no_grad():
+        kept.weight.fill_(0.0)   # what DDP's broadcast of a fresh rank 0 does
+    assert copy.abs().sum() > 0   # the memory kept the state of step 7
+
+    gone = torch.nn.Linear(3, 3)
+    m = handed_over(gone)
+    weight = m.replicated["model"]["weight"]
+    del gone
+    gc.collect()
+    m.detach(rank=1)   # the usual case: the next life builds new objects, nothing copied
+    assert m.replicated["model"]["weight"] is weight
+
+
 def test_shard_copies_count_only_after_a_hand_over_of_the_same_directory() -> None:
     from resilient_train.checkpoint import shard_copies
     from resilient_train.checkpoint.peers import PeerMemory
@@ -401,6 +430,28 @@ def test_a_rank_killed_in_the_middle_of_a_peer_transfer_leaves_nothing_torn(
     assert len(stored) == 1 and stored[0][0]["step"] == 50, events
     assert all("RNG, values and buffers of step" in e["reason"] for e in stored[0]), stored
     assert_same_end(clean, faulted, ranks=3)
+
+
+@pytest.mark.slow
+def test_a_model_kept_across_lives_is_copied_before_ddp_overwrites_it(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, clean: Path) -> None:
+    """The model, optimizer and schedule built once per process (as at a script's top) and
+    trained on by every life. The primary is lost: its new process builds a fresh model,
+    and each survivor's DDP constructor broadcasts those fresh parameters into the model
+    its memory of the last step referenced. That memory is copied as the life begins, so
+    every rank still restores the last step from memory and the run ends bitwise equal to
+    one without faults (it ended on the fresh parameters, without a word, before)."""
+    monkeypatch.setenv("PEER_DDP_KEEP_MODEL", "1")
+    job, out, faulted = launch(tmp_path, "kept", "kill:workerpool0-0@step60")
+    assert job["state"] == "JOB_STATE_SUCCEEDED", out[-3000:]
+    recovery = the_recovery(job, out)
+    assert {r["source"] for r in recovery["ranks"]} == {"peer"}, (recovery, out[-3000:])
+    assert recovery["bytes_read"]["persistent"] == 0, recovery
+    assert_same_end(clean, faulted, ranks=3)
+    copied = re.findall(r"rank (\d): the last life's Sequential and AdamW are still in use "
+                        r"\(built outside the training function\), so its state of step "
+                        r"(\d+) is copied", out)
+    assert sorted(r for r, _ in copied) == ["1", "2"], out[-3000:]   # the survivors
 
 
 @pytest.mark.slow

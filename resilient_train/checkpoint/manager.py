@@ -28,6 +28,7 @@ import math
 import os
 import threading
 import time
+import weakref
 from collections.abc import Callable, Mapping
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
@@ -708,6 +709,13 @@ class CheckpointManager:
         try:
             self._ring.hand_over(step, state, self.scheduler.save_point,
                                  self.last_commit_step)
+            import torch
+
+            # Whose tensors the memory references: the next life checks that they are gone
+            # before it runs the training code (PeerMemory.detach).
+            self._ring.memory.owners = [
+                weakref.ref(obj) for obj in self._tracked.values()
+                if isinstance(obj, (torch.nn.Module, torch.optim.Optimizer))]
         except _Sharded:
             # Not the live state: a shard has no second holder but the last save's copy.
             self._ring.memory.why_not = ("sharded (DTensor) state: restored from the last "
@@ -975,6 +983,7 @@ class CheckpointManager:
         if not self._peers or self._early is not None:
             return
         assert self._ring is not None
+        self._ring.memory.detach(self.rank)
         the_plan = plan(self.coord.allgather(self._ring.report()))
         if isinstance(the_plan, Plan):
             self._early = Early(lambda: self._fetch_from_peers(the_plan, sharded=False),
@@ -1016,6 +1025,7 @@ class CheckpointManager:
         reason = ""
         if self._peers:
             assert self._ring is not None
+            self._ring.memory.detach(self.rank)   # when start_restore did not
             mine = shard_copies.report(self._ring.memory, self.rank, self.storage.url) \
                 if sharded else self._ring.report()
             the_plan = plan(self.coord.allgather(mine))

@@ -38,15 +38,24 @@ from __future__ import annotations
 
 import logging
 import pickle
+import weakref
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from .advice import said, say_once
-from .recovery_plan import Plan, Recovered, Report, carry_out, dumps_rank_state, loads_rank_state
+from .recovery_plan import (
+    Plan,
+    Recovered,
+    Report,
+    carry_out,
+    dumps_rank_state,
+    loads_rank_state,
+)
 from .ringlink import Frame, RingLink
-from .state import rng_fingerprint
+from .state import rng_fingerprint, tree_map_tensors, tree_nbytes
 from .stepwrites import StepWrites, buffers_print
+from .storage import format_bytes
 
 log = logging.getLogger(__name__)
 
@@ -77,6 +86,9 @@ class PeerMemory:
     said_changed: bool = False
     replicated: dict[str, Any] | None = None   # the last life's tracked state, at a boundary
     replicated_step: int | None = None
+    # The last life's modules and optimizers, whose tensors ``replicated`` references (see
+    # :meth:`detach`).
+    owners: list[weakref.ref[Any]] = field(default_factory=list)
     save_point: tuple[int | None, float] = (None, 0.0)   # last save's (step, time)
     last_commit_step: int | None = None
     why_not: str = ""   # why the last life's state is not usable, for the log line
@@ -102,6 +114,31 @@ class PeerMemory:
 
     def drop_replicated(self) -> None:
         self.replicated, self.replicated_step = None, None
+
+    def detach(self, rank: int) -> None:
+        """Called as a life begins, before the training code runs: ``replicated`` holds
+        references to the last life's tensors, which nothing writes while that life's
+        objects are gone (the training function builds new ones, the usual case). An
+        owner still alive is held from outside the life (a model built at the script's
+        top, or passed to the training function) and is trained on again, and the new
+        life writes into it before its restore: DDP's constructor broadcasts rank 0's
+        parameters into every rank's, so a restarted primary's fresh ones would become a
+        survivor's "state" of the last step. The state is copied first then (on the
+        host: a model filling an accelerator has no room for a second copy there)."""
+        alive = [o for o in (ref() for ref in self.owners) if o is not None]
+        self.owners = []
+        if self.replicated is None or not alive:
+            return
+        self.replicated = tree_map_tensors(_host_copy, self.replicated)
+        log.info("rank %d: the last life's %s %s still in use (built outside the training "
+                 "function), so its state of step %s is copied (%s) before this life writes "
+                 "into %s", rank, " and ".join(type(o).__name__ for o in alive),
+                 "is" if len(alive) == 1 else "are", self.replicated_step,
+                 format_bytes(tree_nbytes(self.replicated)), "it" if len(alive) == 1 else "them")
+
+
+def _host_copy(t: Any) -> Any:
+    return t.detach().to("cpu", copy=True)
 
 
 def _trim(kept: dict[int, bytes]) -> None:

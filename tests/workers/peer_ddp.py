@@ -9,8 +9,10 @@ ranks sum in the same order after a resume (docs/checkpointing.md).
 and every rank ``rank{R}.pt``: its ``values`` and four draws from its RNG at the end.
 ``PEER_DDP_NODE_LOCAL=K`` adds a node-local tier (every K-th save to storage too);
 ``PEER_DDP_KILL_IN_TRANSFER`` kills a rank in the middle of a peer transfer;
-``PEER_DDP_FSDP=1`` shards the model with FSDP2 (``fully_shard``) instead of DDP.
+``PEER_DDP_FSDP=1`` shards the model with FSDP2 (``fully_shard``) instead of DDP;
+``PEER_DDP_KEEP_MODEL=1`` builds the model once per process and every life trains it on.
 """
+import logging
 import os
 import random
 import sys
@@ -95,23 +97,22 @@ class Data(Dataset):
         return x + 0.01 * noise, x[:4].sum(dim=0, keepdim=True).tanh()
 
 
+# PEER_DDP_KEEP_MODEL=1: the model, optimizer and schedule are built once per process and
+# trained on again by every life, as a script does that builds them at its top.
+KEPT: list[tuple[nn.Module, torch.optim.Optimizer, object]] = []
+if os.environ.get("PEER_DDP_KEEP_MODEL"):   # the line that says the memory is copied
+    logging.basicConfig(format="%(message)s")
+    logging.getLogger("resilient_train.checkpoint.peers").setLevel(logging.INFO)
+
+
 def train(ctx: rt.Context) -> None:
     torch.manual_seed(0)
-    # Batch norm (under DDP) writes its running statistics in the forward, and DDP
-    # broadcasts rank 0's to the others there too: a survivor whose step failed in the
-    # backward has written them, and puts them back (checkpoint/stepwrites.py).
-    norm = [] if FSDP else [nn.BatchNorm1d(64)]
-    model = nn.Sequential(nn.Linear(16, 64), *norm, nn.ReLU(), nn.Dropout(0.2),
-                          nn.Linear(64, 1))
-    if FSDP:
-        from torch.distributed.fsdp import fully_shard
-
-        for layer in model:
-            if isinstance(layer, nn.Linear):
-                fully_shard(layer)
-        fully_shard(model)
-    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
-    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=20, gamma=0.7)
+    if KEPT:
+        model, opt, sched = KEPT[0]
+    else:
+        model, opt, sched = build()
+        if os.environ.get("PEER_DDP_KEEP_MODEL"):
+            KEPT.append((model, opt, sched))
     torch.manual_seed(100 + ctx.rank)   # each rank its own dropout stream
     loader = rt.ResumableLoader(Data(), batch_size=8, shuffle=True, seed=0, num_workers=1)
     ctx.track(model=model, optimizer=opt, scheduler=sched, data=loader)
@@ -139,6 +140,24 @@ def train(ctx: rt.Context) -> None:
     if ctx.is_primary:
         torch.save(weights, os.path.join(out, "model.pt"))
         print(f"finished {STEPS} steps", flush=True)
+
+
+def build() -> tuple[nn.Module, torch.optim.Optimizer, object]:
+    # Batch norm (under DDP) writes its running statistics in the forward, and DDP
+    # broadcasts rank 0's to the others there too: a survivor whose step failed in the
+    # backward has written them, and puts them back (checkpoint/stepwrites.py).
+    norm = [] if FSDP else [nn.BatchNorm1d(64)]
+    model = nn.Sequential(nn.Linear(16, 64), *norm, nn.ReLU(), nn.Dropout(0.2),
+                          nn.Linear(64, 1))
+    if FSDP:
+        from torch.distributed.fsdp import fully_shard
+
+        for layer in model:
+            if isinstance(layer, nn.Linear):
+                fully_shard(layer)
+        fully_shard(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    return model, opt, torch.optim.lr_scheduler.StepLR(opt, step_size=20, gamma=0.7)
 
 
 # PEER_DDP_NODE_LOCAL=K: a node-local tier, every K-th save to storage too.
