@@ -284,6 +284,24 @@ def test_a_compiled_model_checkpoint_loads_into_the_plain_model(tmp_path: Path) 
         assert torch.equal(dst.state_dict()[k], v), k
 
 
+def test_a_restore_leaves_no_gradient_behind(tmp_path: Path) -> None:
+    """A restore puts back a step boundary, as a new process has it: no gradient. One left
+    by a step that failed halfway would be added to the next step's where the loop zeroes
+    gradients after opt.step() and the same model is trained on."""
+    model = torch.nn.Linear(3, 2)
+    extra = torch.nn.Parameter(torch.ones(2))   # in the optimizer, not in the model
+    opt = torch.optim.SGD([*model.parameters(), extra], lr=0.1)
+    with CheckpointManager(tmp_path, options=CheckpointOptions(async_save=False)) as mgr:
+        mgr.track(model=model, optimizer=opt)
+        assert mgr.restore_latest() is None
+        (model(torch.ones(1, 3)).sum() + extra.sum()).backward()
+        mgr.save(1)
+        # Nothing restored, nothing dropped; restored, every gradient is gone.
+        assert all(p.grad is not None for p in [*model.parameters(), extra])
+        assert mgr.restore_latest() == 1
+    assert all(p.grad is None for p in [*model.parameters(), extra])
+
+
 def test_latest_step_lists_committed_steps_without_reading_them(tmp_path: Path) -> None:
     """What an evaluator polls: the newest committed step; a step without its marker (a
     save in progress, or one that crashed) does not count."""

@@ -436,11 +436,13 @@ def test_a_rank_killed_in_the_middle_of_a_peer_transfer_leaves_nothing_torn(
 def test_a_model_kept_across_lives_is_copied_before_ddp_overwrites_it(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch, clean: Path) -> None:
     """The model, optimizer and schedule built once per process (as at a script's top) and
-    trained on by every life. The primary is lost: its new process builds a fresh model,
-    and each survivor's DDP constructor broadcasts those fresh parameters into the model
-    its memory of the last step referenced. That memory is copied as the life begins, so
-    every rank still restores the last step from memory and the run ends bitwise equal to
-    one without faults (it ended on the fresh parameters, without a word, before)."""
+    trained on by every life, whose loop zeroes gradients after opt.step(). The primary is
+    lost: its new process builds a fresh model, and each survivor's DDP constructor
+    broadcasts those fresh parameters into the model its memory of the last step
+    referenced. That memory is copied as the life begins, so every rank still restores the
+    last step from memory; and the restore drops the gradients the failed step left, which
+    the first step after it would have added to its own. The run ends bitwise equal to one
+    without faults (it ended on other weights, without a word, before)."""
     monkeypatch.setenv("PEER_DDP_KEEP_MODEL", "1")
     job, out, faulted = launch(tmp_path, "kept", "kill:workerpool0-0@step60")
     assert job["state"] == "JOB_STATE_SUCCEEDED", out[-3000:]

@@ -92,6 +92,7 @@ from .state import (
     capture_rng,
     check_weights_only,
     collect,
+    drop_gradients,
     has_dtensor,
     refuse_rank_local_state,
     refuse_stateless,
@@ -1012,6 +1013,8 @@ class CheckpointManager:
             else self._fetch(uses_sharded_layout(self._tracked))
         step = self._load(fetched, strict, "" if early is None else
                           f" in {early.seconds:.2f} s while the model was built")
+        if step is not None:
+            drop_gradients(self._tracked)
         self.last_restore = replace(fetched.record, seconds=time.perf_counter() - t0)
         if self._ring is not None and step:
             self._ring.restored(step, self._rank_state())

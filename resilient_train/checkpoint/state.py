@@ -42,6 +42,7 @@ __all__ = [
     "capture_rng",
     "check_weights_only",
     "collect",
+    "drop_gradients",
     "restore",
     "restore_rng",
     "rng_fingerprint",
@@ -845,6 +846,24 @@ def restore(tracked: Mapping[str, Any], state: Mapping[str, Any], *,
         else:
             plain[name] = sd
     return plain
+
+
+def drop_gradients(tracked: Mapping[str, Any]) -> None:
+    """Set the gradients of the tracked modules' and optimizers' parameters to None, as a
+    process that has just started has them. A restore puts back the state of a step
+    boundary, which holds no gradient; one left by a step that failed halfway (its
+    all-reduce cut by a lost peer) would be added to the next step's in a loop that zeroes
+    them after ``opt.step()``, where the next life trains the same objects on (built
+    outside the training function)."""
+    for obj in tracked.values():
+        if isinstance(obj, torch.nn.Module):
+            params: Iterator[torch.Tensor] = obj.parameters()
+        elif isinstance(obj, torch.optim.Optimizer):
+            params = (p for group in obj.param_groups for p in group["params"])
+        else:
+            continue
+        for p in params:
+            p.grad = None
 
 
 # Lazy modules' placeholders have no shape to compare yet.

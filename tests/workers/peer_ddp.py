@@ -98,7 +98,8 @@ class Data(Dataset):
 
 
 # PEER_DDP_KEEP_MODEL=1: the model, optimizer and schedule are built once per process and
-# trained on again by every life, as a script does that builds them at its top.
+# trained on again by every life, as a script does that builds them at its top; its loop
+# zeroes the gradients after the step.
 KEPT: list[tuple[nn.Module, torch.optim.Optimizer, object]] = []
 if os.environ.get("PEER_DDP_KEEP_MODEL"):   # the line that says the memory is copied
     logging.basicConfig(format="%(message)s")
@@ -116,8 +117,12 @@ def train(ctx: rt.Context) -> None:
     torch.manual_seed(100 + ctx.rank)   # each rank its own dropout stream
     loader = rt.ResumableLoader(Data(), batch_size=8, shuffle=True, seed=0, num_workers=1)
     ctx.track(model=model, optimizer=opt, scheduler=sched, data=loader)
+    # Kept: no broadcast of rank 0's buffers in the forward, so a survivor meets the
+    # loss of a peer in the backward's all-reduce, with the gradients of that step half
+    # made (the model's weights and rank 0's buffers end alike: training-mode batch norm
+    # normalizes by the batch's own statistics).
     net = model if FSDP else nn.parallel.DistributedDataParallel(
-        model, find_unused_parameters=True)
+        model, find_unused_parameters=True, broadcast_buffers=not KEPT)
     batches = loader.forever()
     for step in ctx.steps(STEPS):
         if step == ctx.restored_step:
@@ -126,10 +131,16 @@ def train(ctx: rt.Context) -> None:
         x, y = next(batches)
         ctx.values["seen"] = ctx.values.get("seen", 0) + len(x) * (ctx.rank + 1)
         loss = nn.functional.mse_loss(net(x), y)
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        sched.step()
+        if KEPT:   # zeroed after the step instead, as Hugging Face's examples do
+            loss.backward()
+            opt.step()
+            sched.step()
+            opt.zero_grad()
+        else:
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            sched.step()
         time.sleep(STEP_TIME)
     weights = {k: v.full_tensor() for k, v in model.state_dict().items()} if FSDP \
         else model.state_dict()   # full_tensor: collective
