@@ -302,6 +302,49 @@ def test_a_restore_leaves_no_gradient_behind(tmp_path: Path) -> None:
     assert all(p.grad is None for p in [*model.parameters(), extra])
 
 
+def test_a_fresh_start_on_the_last_lifes_trained_objects_is_refused(tmp_path: Path) -> None:
+    """A life after a peer's loss that finds nothing to restore while it trains the last
+    life's model and optimizer on (built outside the training function) exits transient,
+    naming them: a new process would start from new ones. Objects of the last life that
+    are gone, or alive but not tracked again, or that had not trained, or a restore that
+    finds a step: no exit."""
+    import gc
+    import weakref
+
+    from resilient_train.checkpoint.peers import PeerMemory
+    from resilient_train.errors import TransientError
+
+    def life(memory: PeerMemory, model: torch.nn.Module, where: Path) -> int | None:
+        opts = CheckpointOptions(async_save=False, peer_recovery=False)
+        with CheckpointManager(where, options=opts, peer_memory=memory) as mgr:
+            mgr.track(model=model)
+            return mgr.restore_latest()
+
+    kept = torch.nn.Linear(2, 2)
+    memory = PeerMemory(owners=[weakref.ref(kept)], owners_trained=True)
+    with pytest.raises(TransientError, match=r"rank 0: nothing to restore after a peer's "
+                       r"loss \(.* has no checkpoint\), and this life trains the last "
+                       r"life's Linear on \(built outside the training function\)"):
+        life(memory, kept, tmp_path / "empty")
+    assert life(memory, kept, tmp_path / "empty") is None   # said once per hand-over
+
+    untrained = PeerMemory(owners=[weakref.ref(kept)], owners_trained=False)
+    assert life(untrained, kept, tmp_path / "empty") is None
+    elsewhere = PeerMemory(owners=[weakref.ref(kept)], owners_trained=True)
+    assert life(elsewhere, torch.nn.Linear(2, 2), tmp_path / "empty") is None
+    gone = torch.nn.Linear(2, 2)
+    dead = PeerMemory(owners=[weakref.ref(gone)], owners_trained=True)
+    del gone
+    gc.collect()
+    assert life(dead, torch.nn.Linear(2, 2), tmp_path / "empty") is None
+    with CheckpointManager(tmp_path / "saved", options=CheckpointOptions(
+            async_save=False)) as mgr:
+        mgr.track(model=kept)
+        mgr.save(3)
+    restored = PeerMemory(owners=[weakref.ref(kept)], owners_trained=True)
+    assert life(restored, kept, tmp_path / "saved") == 3
+
+
 def test_latest_step_lists_committed_steps_without_reading_them(tmp_path: Path) -> None:
     """What an evaluator polls: the newest committed step; a step without its marker (a
     save in progress, or one that crashed) does not count."""

@@ -457,6 +457,25 @@ def test_a_model_kept_across_lives_is_copied_before_ddp_overwrites_it(
 
 
 @pytest.mark.slow
+def test_nothing_to_restore_with_a_kept_model_starts_the_job_afresh(tmp_path: Path) -> None:
+    """A model kept across lives and no checkpoint yet; the survivor is torn (its peer is
+    lost in a metric's all-reduce after opt.step()), so there is nothing to restore while
+    its model holds 6 steps of training. Training on from it with the step count back at
+    0 is what happened before; now the survivor exits transient, saying why, and the job
+    retry starts every replica afresh."""
+    script = [str(HERE / "workers" / "kept_fresh_start.py"), "30", "6"]
+    job, out, _ = launch_job(tmp_path, "kept", 2, [], script)
+    assert job["state"] == "JOB_STATE_SUCCEEDED", out[-3000:]
+    assert job["budgets"]["job_retries"]["used"] == 1, job["budgets"]
+    assert ("rank 0: nothing to restore after a peer's loss (no survivor holds the last "
+            "step, and ") in out and ("this life trains the last life's Sequential and SGD "
+                                      "on (built outside the training function)") in out, \
+        out[-3000:]
+    # The retry's new processes built new objects and trained all 30 steps from the start.
+    assert len(re.findall(r"final weights sum", out)) == 1, out[-2000:]
+
+
+@pytest.mark.slow
 def test_three_workers_survive_every_kind_of_fault_in_one_run_and_end_bitwise(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch, clean: Path) -> None:
     """One run of a 3-worker DDP job with a node-local tier (every 2nd save to storage)

@@ -355,6 +355,9 @@ class CheckpointManager:
         self.known = KnownSteps()
         group = getattr(self.coord, "main_group", None)
         self._ring: PeerRing | None = None
+        # What this process keeps across lives (peers.py): the state for peer recovery, and
+        # which objects the last life trained, with peer recovery or without.
+        self._memory = peer_memory or process_memory()
         # The ring also carries each rank's RNG and values to the next rank's node-local
         # copy (nodelocal.py): a rank on a new machine finds them on its neighbour's disk.
         if (self.options.peer_recovery or self.options.node_local is not None) \
@@ -365,8 +368,7 @@ class CheckpointManager:
                 local_address(os.environ.get("MASTER_ADDR", "127.0.0.1"),
                               int(os.environ.get("MASTER_PORT", "0") or 0)),
                 self.coord.broadcast(new_token()), timeout_s=RING_TIMEOUT_S)
-            self._ring = PeerRing(self.rank, self.world_size, group, link,
-                                  peer_memory or process_memory(),
+            self._ring = PeerRing(self.rank, self.world_size, group, link, self._memory,
                                   StepWrites(self._tracked,
                                              before_step=self.options.undo_torn_steps))
         self._early: Early[_FromPeers] | None = None   # start_restore's transfers
@@ -696,6 +698,13 @@ class CheckpointManager:
         """This life ends on an error after ``step`` finished steps: leave its state in the
         process's memory, where the next life's restore finds it (peers.py). A reference,
         not a copy; nothing when the state is not that of step ``step``'s boundary."""
+        import torch
+
+        # The objects this life trained: the next life checks that they are gone before it
+        # runs the training code (PeerMemory.detach), with peer recovery or without.
+        self._memory.owners = [weakref.ref(obj) for obj in self._tracked.values()
+                               if isinstance(obj, (torch.nn.Module, torch.optim.Optimizer))]
+        self._memory.owners_trained = step > 0 or self._steps_called > 0
         if not self._peers:
             return
         assert self._ring is not None
@@ -710,13 +719,6 @@ class CheckpointManager:
         try:
             self._ring.hand_over(step, state, self.scheduler.save_point,
                                  self.last_commit_step)
-            import torch
-
-            # Whose tensors the memory references: the next life checks that they are gone
-            # before it runs the training code (PeerMemory.detach).
-            self._ring.memory.owners = [
-                weakref.ref(obj) for obj in self._tracked.values()
-                if isinstance(obj, (torch.nn.Module, torch.optim.Optimizer))]
         except _Sharded:
             # Not the live state: a shard has no second holder but the last save's copy.
             self._ring.memory.why_not = ("sharded (DTensor) state: restored from the last "
@@ -981,10 +983,10 @@ class CheckpointManager:
         or storage, run early too, gained nothing here (its reads and broadcast competed
         with the build for the same cores and the process's GIL), so it waits for
         ``restore_latest``."""
+        self._memory.detach(self.rank)
         if not self._peers or self._early is not None:
             return
         assert self._ring is not None
-        self._ring.memory.detach(self.rank)
         the_plan = plan(self.coord.allgather(self._ring.report()))
         if isinstance(the_plan, Plan):
             self._early = Early(lambda: self._fetch_from_peers(the_plan, sharded=False),
@@ -1013,12 +1015,38 @@ class CheckpointManager:
             else self._fetch(uses_sharded_layout(self._tracked))
         step = self._load(fetched, strict, "" if early is None else
                           f" in {early.seconds:.2f} s while the model was built")
+        trained, self._memory.trained = self._memory.trained, []
         if step is not None:
             drop_gradients(self._tracked)
+        else:
+            self._refuse_a_fresh_start_on(trained)
         self.last_restore = replace(fetched.record, seconds=time.perf_counter() - t0)
         if self._ring is not None and step:
             self._ring.restored(step, self._rank_state())
         return step
+
+    def _refuse_a_fresh_start_on(self, trained: list[weakref.ref[Any]]) -> None:
+        """Nothing to restore after a peer's loss: when this life tracks the last life's
+        objects again (built outside the training function), which hold its training, a
+        fresh start from them would train on from where they are with the step count, the
+        schedule and the data back at 0, unlike a new process. A new process it is: every
+        survivor gets here alike (the same plan), so the job starts afresh."""
+        tracked = {id(obj) for obj in self._tracked.values()}
+        again = [obj for obj in (ref() for ref in trained)
+                 if obj is not None and id(obj) in tracked]
+        if not again:
+            return
+        trained_on = " and ".join(type(obj).__name__ for obj in again)
+        held = "no survivor holds the last step, and " if self._peers else ""
+        raise TransientError(
+            f"rank {self.rank}: nothing to restore after a peer's loss ({held}"
+            f"{self.storage.url} has no checkpoint), and this life "
+            f"trains the last life's {trained_on} on (built "
+            "outside the training function), which hold its training: a fresh start must "
+            "not begin from them, so this process exits for the job to start afresh. Build "
+            "the model and optimizer inside the training function (each life then starts "
+            "from new ones), or save checkpoints sooner "
+            "(rt.CheckpointOptions(save_every_steps=...))")
 
     # A restore in two halves: _fetch (which tier and step, every rank's bytes: nothing of
     # the tracked objects, so it may run early, in a thread) and _load (into the objects).
@@ -1026,9 +1054,9 @@ class CheckpointManager:
     def _fetch(self, sharded: bool) -> _Fetched:
         """The state to load, from the fastest tier that every rank can get it from."""
         reason = ""
+        self._memory.detach(self.rank)   # when start_restore did not
         if self._peers:
             assert self._ring is not None
-            self._ring.memory.detach(self.rank)   # when start_restore did not
             mine = shard_copies.report(self._ring.memory, self.rank, self.storage.url) \
                 if sharded else self._ring.report()
             the_plan = plan(self.coord.allgather(mine))

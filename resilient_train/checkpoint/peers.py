@@ -86,9 +86,12 @@ class PeerMemory:
     said_changed: bool = False
     replicated: dict[str, Any] | None = None   # the last life's tracked state, at a boundary
     replicated_step: int | None = None
-    # The last life's modules and optimizers, whose tensors ``replicated`` references (see
-    # :meth:`detach`).
+    # The last life's modules and optimizers, whose tensors ``replicated`` references, and
+    # whether they held trained state (a step, or a restore) when it ended; set by
+    # :meth:`detach`: those still alive when they did (the new life may train them on).
     owners: list[weakref.ref[Any]] = field(default_factory=list)
+    owners_trained: bool = False
+    trained: list[weakref.ref[Any]] = field(default_factory=list)
     save_point: tuple[int | None, float] = (None, 0.0)   # last save's (step, time)
     last_commit_step: int | None = None
     why_not: str = ""   # why the last life's state is not usable, for the log line
@@ -125,8 +128,11 @@ class PeerMemory:
         parameters into every rank's, so a restarted primary's fresh ones would become a
         survivor's "state" of the last step. The state is copied first then (on the
         host: a model filling an accelerator has no room for a second copy there)."""
+        if not self.owners:   # no life handed over, or detached already
+            return
         alive = [o for o in (ref() for ref in self.owners) if o is not None]
         self.owners = []
+        self.trained = [weakref.ref(o) for o in alive] if self.owners_trained else []
         if self.replicated is None or not alive:
             return
         self.replicated = tree_map_tensors(_host_copy, self.replicated)

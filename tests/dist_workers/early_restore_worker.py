@@ -20,6 +20,7 @@ end.
 logging the mean loss does.
 ``EMA=1``: an SWA average of the model (``AveragedModel``, tracked) is updated after each
 optimizer step, which writes its buffer ``n_averaged``; nobody is lost."""
+import gc
 import logging
 import os
 from dataclasses import asdict
@@ -108,6 +109,10 @@ def main() -> None:
     ema_life1 = None if ema is None else {k: v.clone() for k, v in ema.state_dict().items()}
     draw_after = torch.rand(3)     # what the RNG gives next at the boundary: a restore
     # rewinds each rank's RNG to it.
+    # The life's objects go with it, as a real life's do when its frames are freed (those
+    # kept alive for the next life are another case: PeerMemory.detach).
+    del model, opt, ema, scaler, mgr
+    gc.collect()
     # Life 2: rank 1 is a new process as far as peer recovery knows.
     memory = PeerMemory() if rank == 1 else None
     mgr = manager(memory)
@@ -121,7 +126,7 @@ def main() -> None:
     model2, opt2 = build(1 + rank)     # other initial weights: the restore must replace them
     scaler2 = torch.amp.GradScaler("cpu", init_scale=2.0, enabled=skipping)
     mgr.track(model=model2, optimizer=opt2, **({"scaler": scaler2} if skipping else {}))
-    ema2 = AveragedModel(model2) if ema is not None else None
+    ema2 = AveragedModel(model2) if ema_life1 is not None else None
     if ema2 is not None:
         mgr.track(ema=ema2)
     step = mgr.restore_latest()
