@@ -345,6 +345,40 @@ def test_a_fresh_start_on_the_last_lifes_trained_objects_is_refused(tmp_path: Pa
     assert life(restored, kept, tmp_path / "saved") == 3
 
 
+def test_a_module_left_in_evaluation_mode_by_a_failure_is_put_back(tmp_path: Path) -> None:
+    """A life that ends between model.eval() and model.train() (its evaluation's collective
+    met a lost peer) leaves a model built outside the training function in evaluation
+    mode: the next life, tracking it again, trains it in the mode of the step restored,
+    by the module's own train() (which keeps a frozen part frozen). Found on a user's
+    script: rank 0 trained on with dropout off, and the run ended on other weights."""
+    from resilient_train.checkpoint.peers import PeerMemory
+
+    class Frozen(torch.nn.Sequential):
+        def train(self, mode: bool = True) -> Frozen:
+            super().train(mode)
+            self[0].eval()   # a part the script keeps frozen
+            return self
+
+    model = Frozen(torch.nn.BatchNorm1d(2), torch.nn.Linear(2, 2), torch.nn.Dropout(0.5))
+    model.train()
+    other = torch.nn.Dropout(0.5)
+    memory = PeerMemory()
+    opts = CheckpointOptions(async_save=False, peer_recovery=False)
+    with CheckpointManager(tmp_path, options=opts, peer_memory=memory) as mgr:
+        mgr.track(model=model, other=other)
+        mgr.save(1)
+        mgr.maybe_save(1)          # the boundary: both in training mode
+        model.eval()               # an evaluation begins,
+        other.eval()
+        mgr.hand_over(1)           # and its collective fails
+    with CheckpointManager(tmp_path, options=opts, peer_memory=memory) as mgr:
+        mgr.track(model=model, other=torch.nn.Dropout(0.5))   # `other` built anew
+        assert mgr.restore_latest() == 1
+    assert model.training and model[1].training and model[2].training
+    assert not model[0].training   # its own train() kept it frozen
+    assert not other.training      # not tracked again: not this restore's to change
+
+
 def test_latest_step_lists_committed_steps_without_reading_them(tmp_path: Path) -> None:
     """What an evaluator polls: the newest committed step; a step without its marker (a
     save in progress, or one that crashed) does not count."""

@@ -337,6 +337,11 @@ class CheckpointManager:
         self.committer = committer_for(self.storage, self._token)
         self.scheduler.start()
         self._tracked: dict[str, Any] = {}
+        # The tracked modules, and whether each was in training mode at the last step
+        # boundary: a life that ends between model.eval() and model.train() (an evaluation
+        # whose collective met a lost peer) leaves them in evaluation mode (hand_over).
+        self._modules: list[Any] = []
+        self._modes_at_boundary: list[bool] = []
         self.values: dict[str, Any] = {}
         self._snapshot = HostSnapshot()
         self._sharded = ShardedCheckpointer(self.coord)  # FSDP2 / DTensor state: sharded.py
@@ -443,6 +448,9 @@ class CheckpointManager:
         self._advice.tracked()
         import torch
 
+        self._modules = [obj for obj in self._tracked.values()
+                         if isinstance(obj, torch.nn.Module)]
+
         for obj in objects.values():
             if isinstance(obj, torch.optim.Optimizer) and id(obj) not in self._hooked:
                 self._hooked.add(id(obj))
@@ -472,6 +480,7 @@ class CheckpointManager:
         # collective): its boundary first, so that this life's hand-over keeps its state.
         if self._ring is not None:
             self._ring.boundary(step, self._rank_state, self.values)
+        self._modes_at_boundary = [m.training for m in self._modules]
         stepped, self._steps_at_boundary = self.stepped_since_boundary, self._steps_called
         self._advice.boundary(step, self._steps_called)
         if self._error is not None:
@@ -705,6 +714,8 @@ class CheckpointManager:
         self._memory.owners = [weakref.ref(obj) for obj in self._tracked.values()
                                if isinstance(obj, (torch.nn.Module, torch.optim.Optimizer))]
         self._memory.owners_trained = step > 0 or self._steps_called > 0
+        self._memory.modes = [(weakref.ref(m), mode) for m, mode in
+                              zip(self._modules, self._modes_at_boundary)]
         if not self._peers:
             return
         assert self._ring is not None
@@ -1016,14 +1027,33 @@ class CheckpointManager:
         step = self._load(fetched, strict, "" if early is None else
                           f" in {early.seconds:.2f} s while the model was built")
         trained, self._memory.trained = self._memory.trained, []
+        modes, self._memory.modes = self._memory.modes, []
         if step is not None:
             drop_gradients(self._tracked)
+            self._put_back_modes(modes, step)
         else:
             self._refuse_a_fresh_start_on(trained)
         self.last_restore = replace(fetched.record, seconds=time.perf_counter() - t0)
         if self._ring is not None and step:
             self._ring.restored(step, self._rank_state())
         return step
+
+    def _put_back_modes(self, modes: list[tuple[weakref.ref[Any], bool]], step: int) -> None:
+        """A module that this life tracks again (built outside the training function) in
+        another mode than at the last life's last step boundary was left so by a failure
+        between ``model.eval()`` and ``model.train()``: back to the boundary's mode (by its
+        own ``train()``, which a module that keeps parts frozen overrides), as at the step
+        restored, where a new process's module is too."""
+        tracked = {id(m) for m in self._modules}
+        for ref, mode in modes:
+            module = ref()
+            if module is not None and id(module) in tracked and module.training != mode:
+                module.train(mode)
+                log.info("rank %d: the last life left the %s in %s mode (it ended between "
+                         "model.eval() and model.train()); put back in %s mode for step %d",
+                         self.rank, type(module).__name__,
+                         "training" if not mode else "evaluation",
+                         "training" if mode else "evaluation", step)
 
     def _refuse_a_fresh_start_on(self, trained: list[weakref.ref[Any]]) -> None:
         """Nothing to restore after a peer's loss: when this life tracks the last life's
