@@ -345,6 +345,29 @@ def test_a_fresh_start_on_the_last_lifes_trained_objects_is_refused(tmp_path: Pa
     assert life(restored, kept, tmp_path / "saved") == 3
 
 
+def test_a_restore_forgets_a_gradscaler_step_half_done(tmp_path: Path) -> None:
+    """A step that failed after scaler.unscale_() (in the ring exchange before opt.step(),
+    when a peer is lost there) left a GradScaler kept across lives refusing the next
+    unscale_(): the job FAILED with torch's RuntimeError. A restore forgets the step."""
+    model = torch.nn.Linear(3, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = torch.amp.GradScaler("cpu", init_scale=8.0)
+    with CheckpointManager(tmp_path, options=CheckpointOptions(async_save=False)) as mgr:
+        mgr.track(model=model, optimizer=opt, scaler=scaler)
+        mgr.save(1)
+        scaler.scale(model(torch.ones(2, 3)).sum()).backward()
+        scaler.unscale_(opt)   # then the failure, before scaler.step() and update()
+        with pytest.raises(RuntimeError, match="unscale_"):
+            scaler.unscale_(opt)
+        assert mgr.restore_latest() == 1
+    before = model.weight.detach().clone()
+    scaler.scale(model(torch.ones(2, 3)).sum()).backward()
+    scaler.unscale_(opt)   # the next life's step, as the script makes it
+    scaler.step(opt)
+    scaler.update()
+    assert not torch.equal(model.weight, before)   # the step ran
+
+
 def test_a_module_left_in_evaluation_mode_by_a_failure_is_put_back(tmp_path: Path) -> None:
     """A life that ends between model.eval() and model.train() (its evaluation's collective
     met a lost peer) leaves a model built outside the training function in evaluation

@@ -91,8 +91,8 @@ from .state import (
     HostSnapshot,
     capture_rng,
     check_weights_only,
+    clear_step_leftovers,
     collect,
-    drop_gradients,
     has_dtensor,
     refuse_rank_local_state,
     refuse_stateless,
@@ -1029,7 +1029,7 @@ class CheckpointManager:
         trained, self._memory.trained = self._memory.trained, []
         modes, self._memory.modes = self._memory.modes, []
         if step is not None:
-            drop_gradients(self._tracked)
+            clear_step_leftovers(self._tracked)
             self._put_back_modes(modes, step)
         else:
             self._refuse_a_fresh_start_on(trained)

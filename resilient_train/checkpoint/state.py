@@ -23,7 +23,7 @@ import re
 import sys
 import threading
 import time
-from collections import Counter, OrderedDict
+from collections import Counter, OrderedDict, defaultdict
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
@@ -42,7 +42,7 @@ __all__ = [
     "capture_rng",
     "check_weights_only",
     "collect",
-    "drop_gradients",
+    "clear_step_leftovers",
     "restore",
     "restore_rng",
     "rng_fingerprint",
@@ -848,14 +848,19 @@ def restore(tracked: Mapping[str, Any], state: Mapping[str, Any], *,
     return plain
 
 
-def drop_gradients(tracked: Mapping[str, Any]) -> None:
-    """Set the gradients of the tracked modules' and optimizers' parameters to None, as a
-    process that has just started has them. A restore puts back the state of a step
-    boundary, which holds no gradient; one left by a step that failed halfway (its
-    all-reduce cut by a lost peer) would be added to the next step's in a loop that zeroes
-    them after ``opt.step()``, where the next life trains the same objects on (built
-    outside the training function)."""
+def clear_step_leftovers(tracked: Mapping[str, Any]) -> None:
+    """Leave the tracked objects as a new process has them at a step boundary: no
+    gradients, and no GradScaler step half done. A restore puts back a boundary's state,
+    which holds neither, and a step that failed halfway (its all-reduce, or the ring
+    exchange before ``opt.step()``, cut by a lost peer) leaves both where the next life
+    trains the same objects on (built outside the training function): its gradients would
+    be added to the next step's where the loop zeroes them after ``opt.step()``, and the
+    scaler, whose ``unscale_`` had run, would refuse the next one ("unscale_() has already
+    been called on this optimizer since the last update()")."""
     for obj in tracked.values():
+        if isinstance(obj, torch.amp.GradScaler):
+            _forget_scaler_step(obj)
+            continue
         if isinstance(obj, torch.nn.Module):
             params: Iterator[torch.Tensor] = obj.parameters()
         elif isinstance(obj, torch.optim.Optimizer):
@@ -864,6 +869,16 @@ def drop_gradients(tracked: Mapping[str, Any]) -> None:
             continue
         for p in params:
             p.grad = None
+
+
+def _forget_scaler_step(scaler: Any) -> None:
+    # What GradScaler.update() does at its end: a fresh stage per optimizer (torch keeps
+    # no public way to drop a step begun; a torch without these names keeps its own).
+    from torch.amp import grad_scaler
+
+    fresh = getattr(grad_scaler, "_refresh_per_optimizer_state", None)
+    if fresh is not None and hasattr(scaler, "_per_optimizer_states"):
+        scaler._per_optimizer_states = defaultdict(fresh)
 
 
 # Lazy modules' placeholders have no shape to compare yet.
