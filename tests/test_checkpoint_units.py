@@ -368,6 +368,37 @@ def test_a_restore_forgets_a_gradscaler_step_half_done(tmp_path: Path) -> None:
     assert not torch.equal(model.weight, before)   # the step ran
 
 
+def test_a_sharded_model_kept_across_lives_exits_transient_before_the_code_runs(
+        tmp_path: Path) -> None:
+    """A model sharded with FSDP2 and kept across lives (built outside the training
+    function) is bound to the process group a peer's loss ended; the next life's
+    fully_shard() failed with torch's "can only be applied to a module once", exit 1, and
+    the job FAILED. The life now exits transient as it begins, saying why (the job retry
+    restores from the last checkpoint); a plain module kept alive is not refused."""
+    import weakref
+
+    from resilient_train.checkpoint.peers import PeerMemory
+    from resilient_train.errors import TransientError
+
+    class DTensor(torch.Tensor):   # stands in for torch.distributed.tensor.DTensor
+        pass
+
+    sharded = torch.nn.Linear(2, 2)
+    sharded.weight = torch.nn.Parameter(torch.zeros(2, 2).as_subclass(DTensor))
+    plain = torch.nn.Linear(2, 2)
+    opts = CheckpointOptions(async_save=False, peer_recovery=False)
+    for kept, refused in ((sharded, True), (plain, False)):
+        memory = PeerMemory(owners=[weakref.ref(kept)], owners_trained=True)
+        with CheckpointManager(tmp_path / "ckpt", options=opts, peer_memory=memory) as mgr:
+            if refused:
+                with pytest.raises(TransientError, match=r"rank 0: the last life's Linear is "
+                                   r"sharded \(its parameters are DTensors: FSDP2\) over "
+                                   r"the process group that a peer's loss ended"):
+                    mgr.start_restore()
+            else:
+                mgr.start_restore()
+
+
 def test_a_module_left_in_evaluation_mode_by_a_failure_is_put_back(tmp_path: Path) -> None:
     """A life that ends between model.eval() and model.train() (its evaluation's collective
     met a lost peer) leaves a model built outside the training function in evaluation

@@ -994,7 +994,7 @@ class CheckpointManager:
         or storage, run early too, gained nothing here (its reads and broadcast competed
         with the build for the same cores and the process's GIL), so it waits for
         ``restore_latest``."""
-        self._memory.detach(self.rank)
+        self._take_over()
         if not self._peers or self._early is not None:
             return
         assert self._ring is not None
@@ -1037,6 +1037,27 @@ class CheckpointManager:
         if self._ring is not None and step:
             self._ring.restored(step, self._rank_state())
         return step
+
+    def _take_over(self) -> None:
+        """What this life takes over from the last one in this process, before the training
+        code runs (PeerMemory.detach). A sharded (FSDP2) model of the last life still in
+        use (built outside the training function) is bound to the process group that the
+        peer's loss ended, and torch refuses to shard it again: exit transient, saying
+        so, rather than let the training code fail on torch's "can only be applied to a
+        module once" as a bug."""
+        import torch
+
+        kept = self._memory.detach(self.rank)
+        sharded = [obj for obj in kept if isinstance(obj, torch.nn.Module)
+                   and uses_sharded_layout({"kept": obj})]
+        if sharded:
+            raise TransientError(
+                f"rank {self.rank}: the last life's {type(sharded[0]).__name__} is sharded "
+                "(its parameters are DTensors: FSDP2) over the process group that a peer's "
+                "loss ended, and it is still in use (built outside the training function): "
+                "it cannot be sharded again or trained in the new group, so this process "
+                "exits for the job to restart from its last checkpoint. Build the model and "
+                "shard it inside the training function to recover in place")
 
     def _put_back_modes(self, modes: list[tuple[weakref.ref[Any], bool]], step: int) -> None:
         """A module that this life tracks again (built outside the training function) in
@@ -1084,7 +1105,7 @@ class CheckpointManager:
     def _fetch(self, sharded: bool) -> _Fetched:
         """The state to load, from the fastest tier that every rank can get it from."""
         reason = ""
-        self._memory.detach(self.rank)   # when start_restore did not
+        self._take_over()   # when start_restore did not
         if self._peers:
             assert self._ring is not None
             mine = shard_copies.report(self._ring.memory, self.rank, self.storage.url) \

@@ -121,7 +121,7 @@ class PeerMemory:
     def drop_replicated(self) -> None:
         self.replicated, self.replicated_step = None, None
 
-    def detach(self, rank: int) -> None:
+    def detach(self, rank: int) -> list[Any]:
         """Called as a life begins, before the training code runs: ``replicated`` holds
         references to the last life's tensors, which nothing writes while that life's
         objects are gone (the training function builds new ones, the usual case). An
@@ -130,20 +130,22 @@ class PeerMemory:
         life writes into it before its restore: DDP's constructor broadcasts rank 0's
         parameters into every rank's, so a restarted primary's fresh ones would become a
         survivor's "state" of the last step. The state is copied first then (on the
-        host: a model filling an accelerator has no room for a second copy there)."""
+        host: a model filling an accelerator has no room for a second copy there).
+        Returns the owners still alive."""
         if not self.owners:   # no life handed over, or detached already
-            return
+            return []
         alive = [o for o in (ref() for ref in self.owners) if o is not None]
         self.owners = []
         self.trained = [weakref.ref(o) for o in alive] if self.owners_trained else []
         if self.replicated is None or not alive:
-            return
+            return alive
         self.replicated = tree_map_tensors(_host_copy, self.replicated)
         log.info("rank %d: the last life's %s %s still in use (built outside the training "
                  "function), so its state of step %s is copied (%s) before this life writes "
                  "into %s", rank, " and ".join(type(o).__name__ for o in alive),
                  "is" if len(alive) == 1 else "are", self.replicated_step,
                  format_bytes(tree_nbytes(self.replicated)), "it" if len(alive) == 1 else "them")
+        return alive
 
 
 def _host_copy(t: Any) -> Any:
