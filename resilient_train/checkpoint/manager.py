@@ -342,6 +342,9 @@ class CheckpointManager:
         # whose collective met a lost peer) leaves them in evaluation mode (hand_over).
         self._modules: list[Any] = []
         self._modes_at_boundary: list[bool] = []
+        # The last life's objects, still alive as this life began, when they had trained
+        # (_take_over): a restore that finds nothing must not start afresh from them.
+        self._kept_trained: list[weakref.ref[Any]] = []
         self.values: dict[str, Any] = {}
         self._snapshot = HostSnapshot()
         self._sharded = ShardedCheckpointer(self.coord)  # FSDP2 / DTensor state: sharded.py
@@ -1026,7 +1029,7 @@ class CheckpointManager:
             else self._fetch(uses_sharded_layout(self._tracked))
         step = self._load(fetched, strict, "" if early is None else
                           f" in {early.seconds:.2f} s while the model was built")
-        trained, self._memory.trained = self._memory.trained, []
+        trained, self._kept_trained = self._kept_trained, []
         modes, self._memory.modes = self._memory.modes, []
         if step is not None:
             clear_step_leftovers(self._tracked)
@@ -1048,6 +1051,8 @@ class CheckpointManager:
         import torch
 
         kept = self._memory.detach(self.rank)
+        if kept and self._memory.owners_trained:
+            self._kept_trained = [weakref.ref(obj) for obj in kept]
         sharded = [obj for obj in kept if isinstance(obj, torch.nn.Module)
                    and uses_sharded_layout({"kept": obj})]
         if sharded:
@@ -1059,16 +1064,21 @@ class CheckpointManager:
                 "exits for the job to restart from its last checkpoint. Build the model and "
                 "shard it inside the training function to recover in place")
 
+    def _tracked_again(self, ref: weakref.ref[Any]) -> Any:
+        """The last life's object behind ``ref`` when this life tracks it again, else None."""
+        obj = ref()
+        return obj if obj is not None and any(obj is t for t in self._tracked.values()) \
+            else None
+
     def _put_back_modes(self, modes: list[tuple[weakref.ref[Any], bool]], step: int) -> None:
         """A module that this life tracks again (built outside the training function) in
         another mode than at the last life's last step boundary was left so by a failure
         between ``model.eval()`` and ``model.train()``: back to the boundary's mode (by its
         own ``train()``, which a module that keeps parts frozen overrides), as at the step
         restored, where a new process's module is too."""
-        tracked = {id(m) for m in self._modules}
         for ref, mode in modes:
-            module = ref()
-            if module is not None and id(module) in tracked and module.training != mode:
+            module = self._tracked_again(ref)
+            if module is not None and module.training != mode:
                 module.train(mode)
                 log.info("rank %d: the last life left the %s in %s mode (it ended between "
                          "model.eval() and model.train()); put back in %s mode for step %d",
@@ -1082,9 +1092,7 @@ class CheckpointManager:
         fresh start from them would train on from where they are with the step count, the
         schedule and the data back at 0, unlike a new process. A new process it is: every
         survivor gets here alike (the same plan), so the job starts afresh."""
-        tracked = {id(obj) for obj in self._tracked.values()}
-        again = [obj for obj in (ref() for ref in trained)
-                 if obj is not None and id(obj) in tracked]
+        again = [obj for obj in map(self._tracked_again, trained) if obj is not None]
         if not again:
             return
         trained_on = " and ".join(type(obj).__name__ for obj in again)

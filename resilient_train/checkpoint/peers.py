@@ -87,11 +87,9 @@ class PeerMemory:
     replicated: dict[str, Any] | None = None   # the last life's tracked state, at a boundary
     replicated_step: int | None = None
     # The last life's modules and optimizers, whose tensors ``replicated`` references, and
-    # whether they held trained state (a step, or a restore) when it ended; set by
-    # :meth:`detach`: those still alive when they did (the new life may train them on).
+    # whether they held trained state (a step, or a restore) when it ended.
     owners: list[weakref.ref[Any]] = field(default_factory=list)
     owners_trained: bool = False
-    trained: list[weakref.ref[Any]] = field(default_factory=list)
     # The last life's tracked modules and whether each was in training mode at its last
     # step boundary (CheckpointManager._put_back_modes).
     modes: list[tuple[weakref.ref[Any], bool]] = field(default_factory=list)
@@ -136,7 +134,6 @@ class PeerMemory:
             return []
         alive = [o for o in (ref() for ref in self.owners) if o is not None]
         self.owners = []
-        self.trained = [weakref.ref(o) for o in alive] if self.owners_trained else []
         if self.replicated is None or not alive:
             return alive
         self.replicated = tree_map_tensors(_host_copy, self.replicated)

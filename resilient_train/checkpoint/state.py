@@ -860,15 +860,8 @@ def clear_step_leftovers(tracked: Mapping[str, Any]) -> None:
     for obj in tracked.values():
         if isinstance(obj, torch.amp.GradScaler):
             _forget_scaler_step(obj)
-            continue
-        if isinstance(obj, torch.nn.Module):
-            params: Iterator[torch.Tensor] = obj.parameters()
-        elif isinstance(obj, torch.optim.Optimizer):
-            params = (p for group in obj.param_groups for p in group["params"])
-        else:
-            continue
-        for p in params:
-            p.grad = None
+        elif isinstance(obj, (torch.nn.Module, torch.optim.Optimizer)):
+            obj.zero_grad(set_to_none=True)
 
 
 def _forget_scaler_step(scaler: Any) -> None:
