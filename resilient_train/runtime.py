@@ -278,7 +278,11 @@ class Context:
         state (``data.epoch``, ``ctx.values``, a scheduler's last epoch)."""
         if self._began:
             return self.restored_step
-        start = self.checkpoints.restore_latest() or 0
+        self.group.phase("restore")   # a long read is no hang; a peer that stops beating is
+        try:
+            start = self.checkpoints.restore_latest() or 0
+        finally:
+            self.group.phase("step")
         self.restored_step = start or None
         self.step = start
         self._began = True

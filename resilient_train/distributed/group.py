@@ -35,6 +35,7 @@ from ..text import error_line
 from ..validate import options
 from .errors import DistributedConfigError, PeerRestartedError, RendezvousTimeoutError
 from .hang import HangWatchdog, report_and_exit
+from .heartbeat import PeerBeats
 from .rendezvous import Rendezvous
 from .resolve import Resolver
 from .sever import Baseline, sever_gloo
@@ -190,6 +191,7 @@ class DistributedGroup:
         self._store_lost = False   # the watcher's reason already says the store is gone
         self._watch_stop = threading.Event()
         self._watcher: threading.Thread | None = None
+        self._beats: PeerBeats | None = None   # this generation's heartbeats (hang watchdog)
         self._barriers: dict[str, int] = {}
         self._closed = False
         self._hang = HangWatchdog(options.hang_timeout_s) if options.hang_timeout_s else None
@@ -224,7 +226,8 @@ class DistributedGroup:
             raise PeerRestartedError(self._peer_reason, self.generation)
 
     def phase(self, name: str) -> None:
-        """What this rank does now ("step", "save"): the hang watchdog counts steps only."""
+        """What this rank does now ("step", "save", "restore"): the hang watchdog counts the
+        time of a step, and outside one the silence of a peer that stopped beating."""
         if self._hang is not None:
             self._hang.phase(name)
 
@@ -316,11 +319,17 @@ class DistributedGroup:
         if self._closed:
             return
         self._closed = True
+        waits = wait_for_peers and self.world_size > 1 and not self._peer_lost.is_set()
+        if waits and self._beats is not None and self._rdzv.store is not None:
+            try:   # a peer still saving must not take this rank's silence for a hang
+                self._beats.leave(self._rdzv.store)
+            except Exception as exc:  # the store's host is gone: nobody is left to wait
+                logger.debug("could not say this rank left: %s", exc)
         self._stop_watcher()
         self._sigterm_guard.close()
         if self._hang is not None:
             self._hang.close()
-        if wait_for_peers and self.world_size > 1 and not self._peer_lost.is_set():
+        if waits:
             try:
                 self.barrier("shutdown", timeout_s=min(60.0, self.options.barrier_timeout_s))
             except Exception as exc:  # finishing matters more than a tidy goodbye
@@ -471,9 +480,29 @@ class DistributedGroup:
             return
         self._watch_stop = threading.Event()
         client = self._rdzv.client()
+        self._beats = None
+        if self._hang is not None:
+            # A beat every eighth of the hang timeout: a live peer is never near silent.
+            self._beats = PeerBeats(
+                lambda r: self._rdzv.key("g", gen, "beat", r), self.rank, self.world_size,
+                period_s=max(self.options.watch_interval_s, self._hang.timeout_s / 8))
+            self._hang.listen(self._silent_peer)
         self._watcher = threading.Thread(target=self._watch, args=(gen, client, self._watch_stop),
                                          name="rt-peer-watcher", daemon=True)
         self._watcher.start()
+
+    def _silent_peer(self) -> tuple[str, float] | None:
+        """What has been silent longest while this rank waits, in words, and since when."""
+        beats = self._beats
+        quiet = beats.quietest() if beats is not None else None
+        if quiet is None:
+            return None
+        rank, since = quiet
+        if rank is not None:
+            return f"{self.name_of(rank)} (rank {rank}) sent no heartbeat", since
+        host = "" if agent_hosts_store() else f", on {self.name_of(0)}"
+        return (f"the rendezvous store at {self.info.master_addr}:{self.info.master_port}"
+                f"{host}, did not answer"), since
 
     def _stop_watcher(self) -> None:
         self._watch_stop.set()
@@ -482,10 +511,14 @@ class DistributedGroup:
         self._watcher = None
 
     def _watch(self, gen: int, store: Any, stop: threading.Event) -> None:
+        beats = self._beats
         while not stop.wait(self.options.watch_interval_s):
             try:
                 current = self._rdzv.generation(store)
                 if current == gen:
+                    if beats is not None:
+                        self._heartbeat(beats, store)
+                        beats.heard()
                     continue
                 cause = self._rdzv.cause(current, store) if current > gen else ""
                 reason = f"generation {current} began: {cause or 'a peer restarted'}"
@@ -499,6 +532,14 @@ class DistributedGroup:
             self._flag(reason)
             self._leave_if_stuck(reason, stop)
             return
+
+    def _heartbeat(self, beats: PeerBeats, store: Any) -> None:
+        """Beat; and while this rank waits outside a step, look at the peers' beats."""
+        beats.beat(store)
+        if self._hang is not None and self._hang.waiting:
+            beats.observe(store)
+        elif beats.silent is not None:
+            beats.stop_observing()
 
     def _flag(self, reason: str) -> None:
         self._peer_reason = reason

@@ -7,6 +7,11 @@ The watchdog is armed by the first beat after ``arm()`` (so a slow start-up, a r
 rendezvous wait never counts as a hang) and ``disarm()`` pauses it. ``phase()`` says what
 the rank is doing between two beats: only time in the ``step`` phase counts, so a long
 save (a blocking one, or one waiting for the previous save's upload) never fires it.
+
+Outside a step (a save, a restore: from ``arm()`` on) a rank may instead wait in a
+collective on a peer that stopped for good (a frozen machine): then what counts is that
+peer's silence, from ``listen()``'s source of heartbeats (heartbeat.py). A peer that is
+merely slow (its own long save) still beats, and is waited for.
 """
 
 from __future__ import annotations
@@ -68,6 +73,7 @@ class HangWatchdog:
         self._arming = False
         self._step: int | None = None
         self._phase = "step"
+        self._silent: Callable[[], tuple[str, float] | None] | None = None
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="rt-hang-watchdog", daemon=True)
         self._thread.start()
@@ -85,6 +91,16 @@ class HangWatchdog:
             self._last = self._clock()
         self._phase = name
 
+    def listen(self, silent: Callable[[], tuple[str, float] | None] | None) -> None:
+        """Where to learn what has been silent longest ("workerpool1-0 (rank 1) sent no
+        heartbeat"), and since when on this watchdog's clock (None: nothing known yet)."""
+        self._silent = silent
+
+    @property
+    def waiting(self) -> bool:
+        """True while a silent peer would count: the group formed, outside a step."""
+        return self._phase != "step" and (self._armed or self._arming)
+
     def arm(self) -> None:
         """Start counting at the next beat."""
         self._arming = True
@@ -100,7 +116,10 @@ class HangWatchdog:
     def _run(self) -> None:
         poll = min(1.0, self.timeout_s / 10)
         while not self._stop.wait(poll):
-            if not self._armed or self._phase != "step":
+            if self._phase != "step":
+                self._check_peers()
+                continue
+            if not self._armed:
                 continue
             idle = self._clock() - self._last
             if idle >= self.timeout_s:
@@ -109,3 +128,17 @@ class HangWatchdog:
                 self._on_hang(f"hang: no training step finished for {idle:.0f} s{after}, "
                               f"above the watchdog's {self.timeout_s:.0f} s; exiting with "
                               f"the transient code so the job restarts from its checkpoint")
+
+    def _check_peers(self) -> None:
+        quiet = self._silent() if self._silent is not None and self.waiting else None
+        if quiet is None:
+            return
+        who, since = quiet
+        silent_s = self._clock() - since
+        if silent_s >= self.timeout_s:
+            phase = self._phase
+            self._armed = self._arming = False
+            self._on_hang(f"hang: {who} for {silent_s:.0f} s while this rank waited in its "
+                          f"{phase} (stopped, frozen or cut off from the network), above the "
+                          f"watchdog's {self.timeout_s:.0f} s; exiting with the transient "
+                          f"code so the job restarts from its checkpoint")

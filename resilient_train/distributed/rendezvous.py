@@ -111,6 +111,10 @@ class Rendezvous:
     def _key(self, *parts: object) -> str:
         return "/".join([self.ns, *(str(p) for p in parts)])
 
+    def key(self, *parts: object) -> str:
+        """A key of this job's namespace in the store, for the group's own records."""
+        return self._key(*parts)
+
     @property
     def store(self) -> Any:
         return self._store

@@ -1,0 +1,44 @@
+"""Three ranks wait for each other outside a training step (in a save), as the runtime's
+ranks do in a checkpoint's collectives, with the hang watchdog on (``HANG_S``).
+
+``MODE=frozen``: rank 1 stops itself (SIGSTOP, as a frozen machine) right after a
+barrier; ranks 0 and 2 then wait in an all-reduce that never completes. Their watchdogs
+must notice that rank 1 stopped beating and exit 134 (the test kills rank 1).
+
+``MODE=slow``: rank 1 spends 3x ``HANG_S`` in its save (alive: it beats) before the
+all-reduce, and afterwards rank 0 spends as long again in a save while the other two have
+shut down: nobody may fire, every rank prints ``done`` and exits 0.
+
+Environment: RANK, WORLD_SIZE=3, MASTER_ADDR, MASTER_PORT (torchrun style), MODE, HANG_S.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import torch
+import torch.distributed as dist
+
+import resilient_train as rt
+
+hang_s = float(os.environ["HANG_S"])
+mode = os.environ["MODE"]
+group = rt.init_distributed(rt.DistributedOptions(
+    join_timeout_s=60, collective_timeout_s=120, hang_timeout_s=hang_s))
+with group:
+    for step in range(3):   # a few steps: the watchdog is armed
+        dist.all_reduce(torch.ones(4))
+        group.step_done(step + 1)
+    group.phase("save")   # the barrier too: a rank may still be in it when the other stops
+    group.barrier("before")
+    if mode == "frozen" and group.rank == int(os.environ.get("FROZEN", "1")):
+        os.kill(os.getpid(), signal.SIGSTOP)
+    if mode == "slow" and group.rank == 1:
+        time.sleep(3 * hang_s)
+    dist.all_reduce(torch.ones(4))
+    if mode == "slow" and group.rank == 0:
+        time.sleep(3 * hang_s)   # the others shut down meanwhile
+    group.phase("step")
+print(f"rank {group.rank}: done", flush=True)
