@@ -1,15 +1,17 @@
-"""Three ranks wait for each other outside a training step (in a save), as the runtime's
+"""Two ranks wait for each other outside a training step (in a save), as the runtime's
 ranks do in a checkpoint's collectives, with the hang watchdog on (``HANG_S``).
 
-``MODE=frozen``: rank 1 stops itself (SIGSTOP, as a frozen machine) right after a
-barrier; ranks 0 and 2 then wait in an all-reduce that never completes. Their watchdogs
-must notice that rank 1 stopped beating and exit 134 (the test kills rank 1).
+``MODE=frozen``: rank ``FROZEN`` stops itself (SIGSTOP, as a frozen machine) right after a
+barrier; the other then waits in an all-reduce that never completes. Its watchdog must
+notice that the stopped rank (or, when that is the primary, its store) went silent and
+exit 134 (the test kills the stopped one).
 
-``MODE=slow``: rank 1 spends 3x ``HANG_S`` in its save (alive: it beats) before the
-all-reduce, and afterwards rank 0 spends as long again in a save while the other two have
-shut down: nobody may fire, every rank prints ``done`` and exits 0.
+``MODE=slow``: rank 1 spends 1.5x ``HANG_S`` in its save (alive: it beats) before the
+all-reduce, and afterwards rank 0 spends as long again in a save while rank 1 has shut
+down: nobody may fire, both print ``done`` and exit 0.
 
-Environment: RANK, WORLD_SIZE=3, MASTER_ADDR, MASTER_PORT (torchrun style), MODE, HANG_S.
+Environment: RANK, WORLD_SIZE=2, MASTER_ADDR, MASTER_PORT (torchrun style), MODE, HANG_S,
+FROZEN.
 """
 
 from __future__ import annotations
@@ -36,9 +38,9 @@ with group:
     if mode == "frozen" and group.rank == int(os.environ.get("FROZEN", "1")):
         os.kill(os.getpid(), signal.SIGSTOP)
     if mode == "slow" and group.rank == 1:
-        time.sleep(3 * hang_s)
+        time.sleep(1.5 * hang_s)
     dist.all_reduce(torch.ones(4))
     if mode == "slow" and group.rank == 0:
-        time.sleep(3 * hang_s)   # the others shut down meanwhile
+        time.sleep(1.5 * hang_s)   # rank 1 shuts down meanwhile
     group.phase("step")
 print(f"rank {group.rank}: done", flush=True)
