@@ -28,7 +28,6 @@ import math
 import os
 import threading
 import time
-import weakref
 from collections.abc import Callable, Mapping
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
@@ -59,6 +58,7 @@ from .directory import (
 )
 from .early import Early
 from .emergency import CommitGate, Grace, Outcome, SaveAbandoned, remaining
+from .kept import KeptObjects
 from .loader import load_verified
 from .manifest import (
     MARKER,
@@ -91,7 +91,6 @@ from .state import (
     HostSnapshot,
     capture_rng,
     check_weights_only,
-    clear_step_leftovers,
     collect,
     has_dtensor,
     refuse_rank_local_state,
@@ -337,14 +336,6 @@ class CheckpointManager:
         self.committer = committer_for(self.storage, self._token)
         self.scheduler.start()
         self._tracked: dict[str, Any] = {}
-        # The tracked modules, and whether each was in training mode at the last step
-        # boundary: a life that ends between model.eval() and model.train() (an evaluation
-        # whose collective met a lost peer) leaves them in evaluation mode (hand_over).
-        self._modules: list[Any] = []
-        self._modes_at_boundary: list[bool] = []
-        # The last life's objects, still alive as this life began, when they had trained
-        # (_take_over): a restore that finds nothing must not start afresh from them.
-        self._kept_trained: list[weakref.ref[Any]] = []
         self.values: dict[str, Any] = {}
         self._snapshot = HostSnapshot()
         self._sharded = ShardedCheckpointer(self.coord)  # FSDP2 / DTensor state: sharded.py
@@ -366,6 +357,8 @@ class CheckpointManager:
         # What this process keeps across lives (peers.py): the state for peer recovery, and
         # which objects the last life trained, with peer recovery or without.
         self._memory = peer_memory or process_memory()
+        # Objects built outside the training function, which the next life trains on.
+        self._kept = KeptObjects(self._tracked, self._memory, self.rank)
         # The ring also carries each rank's RNG and values to the next rank's node-local
         # copy (nodelocal.py): a rank on a new machine finds them on its neighbour's disk.
         if (self.options.peer_recovery or self.options.node_local is not None) \
@@ -449,10 +442,8 @@ class CheckpointManager:
             refuse_stateless(name, obj)
         self._tracked.update(objects)
         self._advice.tracked()
+        self._kept.tracked()
         import torch
-
-        self._modules = [obj for obj in self._tracked.values()
-                         if isinstance(obj, torch.nn.Module)]
 
         for obj in objects.values():
             if isinstance(obj, torch.optim.Optimizer) and id(obj) not in self._hooked:
@@ -483,7 +474,7 @@ class CheckpointManager:
         # collective): its boundary first, so that this life's hand-over keeps its state.
         if self._ring is not None:
             self._ring.boundary(step, self._rank_state, self.values)
-        self._modes_at_boundary = [m.training for m in self._modules]
+        self._kept.boundary()
         stepped, self._steps_at_boundary = self.stepped_since_boundary, self._steps_called
         self._advice.boundary(step, self._steps_called)
         if self._error is not None:
@@ -710,15 +701,7 @@ class CheckpointManager:
         """This life ends on an error after ``step`` finished steps: leave its state in the
         process's memory, where the next life's restore finds it (peers.py). A reference,
         not a copy; nothing when the state is not that of step ``step``'s boundary."""
-        import torch
-
-        # The objects this life trained: the next life checks that they are gone before it
-        # runs the training code (PeerMemory.detach), with peer recovery or without.
-        self._memory.owners = [weakref.ref(obj) for obj in self._tracked.values()
-                               if isinstance(obj, (torch.nn.Module, torch.optim.Optimizer))]
-        self._memory.owners_trained = step > 0 or self._steps_called > 0
-        self._memory.modes = [(weakref.ref(m), mode) for m, mode in
-                              zip(self._modules, self._modes_at_boundary)]
+        self._kept.hand_over(trained=step > 0 or self._steps_called > 0)   # peers or not
         if not self._peers:
             return
         assert self._ring is not None
@@ -997,7 +980,7 @@ class CheckpointManager:
         or storage, run early too, gained nothing here (its reads and broadcast competed
         with the build for the same cores and the process's GIL), so it waits for
         ``restore_latest``."""
-        self._take_over()
+        self._kept.take_over()
         if not self._peers or self._early is not None:
             return
         assert self._ring is not None
@@ -1029,83 +1012,12 @@ class CheckpointManager:
             else self._fetch(uses_sharded_layout(self._tracked))
         step = self._load(fetched, strict, "" if early is None else
                           f" in {early.seconds:.2f} s while the model was built")
-        trained, self._kept_trained = self._kept_trained, []
-        modes, self._memory.modes = self._memory.modes, []
-        if step is not None:
-            clear_step_leftovers(self._tracked)
-            self._put_back_modes(modes, step)
-        else:
-            self._refuse_a_fresh_start_on(trained)
+        held = "no survivor holds the last step, and " if self._peers else ""
+        self._kept.after_restore(step, f"{held}{self.storage.url} has no checkpoint")
         self.last_restore = replace(fetched.record, seconds=time.perf_counter() - t0)
         if self._ring is not None and step:
             self._ring.restored(step, self._rank_state())
         return step
-
-    def _take_over(self) -> None:
-        """What this life takes over from the last one in this process, before the training
-        code runs (PeerMemory.detach). A sharded (FSDP2) model of the last life still in
-        use (built outside the training function) is bound to the process group that the
-        peer's loss ended, and torch refuses to shard it again: exit transient, saying
-        so, rather than let the training code fail on torch's "can only be applied to a
-        module once" as a bug."""
-        import torch
-
-        kept = self._memory.detach(self.rank)
-        if kept and self._memory.owners_trained:
-            self._kept_trained = [weakref.ref(obj) for obj in kept]
-        sharded = [obj for obj in kept if isinstance(obj, torch.nn.Module)
-                   and uses_sharded_layout({"kept": obj})]
-        if sharded:
-            raise TransientError(
-                f"rank {self.rank}: the last life's {type(sharded[0]).__name__} is sharded "
-                "(its parameters are DTensors: FSDP2) over the process group that a peer's "
-                "loss ended, and it is still in use (built outside the training function): "
-                "it cannot be sharded again or trained in the new group, so this process "
-                "exits for the job to restart from its last checkpoint. Build the model and "
-                "shard it inside the training function to recover in place")
-
-    def _tracked_again(self, ref: weakref.ref[Any]) -> Any:
-        """The last life's object behind ``ref`` when this life tracks it again, else None."""
-        obj = ref()
-        return obj if obj is not None and any(obj is t for t in self._tracked.values()) \
-            else None
-
-    def _put_back_modes(self, modes: list[tuple[weakref.ref[Any], bool]], step: int) -> None:
-        """A module that this life tracks again (built outside the training function) in
-        another mode than at the last life's last step boundary was left so by a failure
-        between ``model.eval()`` and ``model.train()``: back to the boundary's mode (by its
-        own ``train()``, which a module that keeps parts frozen overrides), as at the step
-        restored, where a new process's module is too."""
-        for ref, mode in modes:
-            module = self._tracked_again(ref)
-            if module is not None and module.training != mode:
-                module.train(mode)
-                log.info("rank %d: the last life left the %s in %s mode (it ended between "
-                         "model.eval() and model.train()); put back in %s mode for step %d",
-                         self.rank, type(module).__name__,
-                         "training" if not mode else "evaluation",
-                         "training" if mode else "evaluation", step)
-
-    def _refuse_a_fresh_start_on(self, trained: list[weakref.ref[Any]]) -> None:
-        """Nothing to restore after a peer's loss: when this life tracks the last life's
-        objects again (built outside the training function), which hold its training, a
-        fresh start from them would train on from where they are with the step count, the
-        schedule and the data back at 0, unlike a new process. A new process it is: every
-        survivor gets here alike (the same plan), so the job starts afresh."""
-        again = [obj for obj in map(self._tracked_again, trained) if obj is not None]
-        if not again:
-            return
-        trained_on = " and ".join(type(obj).__name__ for obj in again)
-        held = "no survivor holds the last step, and " if self._peers else ""
-        raise TransientError(
-            f"rank {self.rank}: nothing to restore after a peer's loss ({held}"
-            f"{self.storage.url} has no checkpoint), and this life "
-            f"trains the last life's {trained_on} on (built "
-            "outside the training function), which hold its training: a fresh start must "
-            "not begin from them, so this process exits for the job to start afresh. Build "
-            "the model and optimizer inside the training function (each life then starts "
-            "from new ones), or save checkpoints sooner "
-            "(rt.CheckpointOptions(save_every_steps=...))")
 
     # A restore in two halves: _fetch (which tier and step, every rank's bytes: nothing of
     # the tracked objects, so it may run early, in a thread) and _load (into the objects).
@@ -1113,7 +1025,7 @@ class CheckpointManager:
     def _fetch(self, sharded: bool) -> _Fetched:
         """The state to load, from the fastest tier that every rank can get it from."""
         reason = ""
-        self._take_over()   # when start_restore did not
+        self._kept.take_over()   # when start_restore did not
         if self._peers:
             assert self._ring is not None
             mine = shard_copies.report(self._ring.memory, self.rank, self.storage.url) \

@@ -91,7 +91,7 @@ class PeerMemory:
     owners: list[weakref.ref[Any]] = field(default_factory=list)
     owners_trained: bool = False
     # The last life's tracked modules and whether each was in training mode at its last
-    # step boundary (CheckpointManager._put_back_modes).
+    # step boundary (kept.py).
     modes: list[tuple[weakref.ref[Any], bool]] = field(default_factory=list)
     save_point: tuple[int | None, float] = (None, 0.0)   # last save's (step, time)
     last_commit_step: int | None = None
