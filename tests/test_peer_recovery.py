@@ -271,15 +271,16 @@ def test_a_state_tree_moves_point_to_point_and_is_read_once_between_real_process
         assert "error" in dies, (rank, dies)
     assert 0 < got[0]["drops"]["read"] < got[0]["file_bytes"]
     assert got[2]["p2p_bytes"] == got[0]["sent_bytes"] == nbytes
-    # A transfer by a recovery plan: the receiver says how far it got, of how much (held
-    # part-way at the sender), and a closing line; the sender says nothing.
-    head = r"rank 2: receiving step 5 from rank 0's memory: "
-    lines = got[2]["progress"]
-    shown = [m for m in (re.fullmatch(head + r"([0-9.]+) (B|KiB|MiB) of 2\.3 MiB "
-                                       r"\(([0-9]+)%, .*/s\)", ln) for ln in lines) if m]
-    assert any(int(m.group(3)) == 50 for m in shown), lines
-    assert re.fullmatch(head + r"done, 2\.3 MiB in [0-9]+ s \(.*/s\)", lines[-1]), lines
-    assert got[0]["progress"] == got[1]["progress"] == []
+    # A transfer by a recovery plan: the receiver and the sender say how far it got, of
+    # how much (held part-way at the sender), and a closing line; the third rank nothing.
+    for rank, head in ((2, r"rank 2: receiving step 5 from rank 0's memory: "),
+                       (0, r"rank 0: sending step 5 from its memory to rank 2: ")):
+        lines = got[rank]["progress"]
+        shown = [m for m in (re.fullmatch(head + r"([0-9.]+) (B|KiB|MiB) of 2\.3 MiB "
+                                           r"\(([0-9]+)%, .*/s\)", ln) for ln in lines) if m]
+        assert any(int(m.group(3)) == 50 for m in shown), lines
+        assert re.fullmatch(head + r"done, 2\.3 MiB in [0-9]+ s \(.*/s\)", lines[-1]), lines
+    assert got[1]["progress"] == []
 
 
 # Each scenario of the early transfer: its two ranks' output, and their results' directory.

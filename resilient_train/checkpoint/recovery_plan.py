@@ -165,9 +165,12 @@ def carry_out(the_plan: Plan, holdings: Holdings, rank: int, group: Any) -> Reco
     for dst in the_plan.needs_state:
         if rank == the_plan.holder:
             assert shared is not None
-            send_tree(shared, dst, group)
+            # Tens of GB over the network take a while: both ends say how far they got
+            # (the sender's line tells a stuck receiver from a stuck sender).
+            with Progress(f"rank {rank}: sending step {step} from its {holdings.where} to "
+                          f"rank {dst}") as progress:
+                send_tree(shared, dst, group, progress)
         elif rank == dst:
-            # Tens of GB over the network take a while: the receiver says how far it got.
             with Progress(f"rank {rank}: receiving step {step} from rank {the_plan.holder}'s "
                           f"{holdings.where}") as progress:
                 moved: Moved = recv_tree(the_plan.holder, group, progress)

@@ -126,15 +126,21 @@ def _nbytes(tensors: list[torch.Tensor]) -> int:
     return sum(t.numel() * t.element_size() for t in tensors)
 
 
-def send_tree(tree: Any, dst: int, group: Any) -> int:
-    """Send ``tree`` to rank ``dst`` (which calls :func:`recv_tree`); returns data bytes."""
+def send_tree(tree: Any, dst: int, group: Any, progress: Progress | None = None) -> int:
+    """Send ``tree`` to rank ``dst`` (which calls :func:`recv_tree`); returns data bytes.
+    ``progress`` learns the total and counts each message as it leaves."""
     import torch.distributed as dist
 
     header, tensors = _split(tree)
+    if progress is not None:
+        progress.total = _nbytes(tensors)
     dist.send(torch.tensor([len(header)], dtype=torch.int64), dst, group=group)
     dist.send(torch.frombuffer(bytearray(header), dtype=torch.uint8), dst, group=group)
     for message in _messages(tensors):
-        dist.send(_payload(tensors, message), dst, group=group)
+        payload = _payload(tensors, message)
+        dist.send(payload, dst, group=group)
+        if progress is not None:
+            progress.add(payload.numel() * payload.element_size())
     return _nbytes(tensors)
 
 

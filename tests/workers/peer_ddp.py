@@ -61,12 +61,12 @@ def kill_in_transfers(spec: str, marks: str) -> None:
         planned[0] = the_plan.step
         return real_carry(the_plan, *args)
 
-    def send_tree(tree, dst, group):
+    def send_tree(tree, dst, group, progress=None):
         if due("sender"):
             import torch.distributed as dist
             dist.send(torch.tensor([1 << 20], dtype=torch.int64), dst, group=group)
             die()
-        return real_send(tree, dst, group)
+        return real_send(tree, dst, group, progress)
 
     restarted = os.environ.get("RESILIENT_TRAIN_RESTART_COUNT", "0") != "0"
 
