@@ -516,8 +516,13 @@ def _live(ctx: Context, fn: Callable[..., R], args: tuple[Any, ...],
           kwargs: dict[str, Any]) -> R:
     with ctx.checkpoints:  # on an error: waits for the save in flight, never raises over it
         try:
-            # The state is fetched while fn builds the model (checkpoint/early.py).
-            ctx.checkpoints.start_restore()
+            # The state is fetched while fn builds the model (checkpoint/early.py). The
+            # ranks agree on it first: a peer stopped meanwhile is a hang (its silence).
+            ctx.group.phase("restore")
+            try:
+                ctx.checkpoints.start_restore()
+            finally:
+                ctx.group.phase("step")
             result = fn(ctx, *args, **kwargs)
         except Exception as exc:
             death = exc if _loader_death(exc) else _surfaced_loader_death(exc)

@@ -151,3 +151,30 @@ def test_the_watchdog_ignores_peers_in_a_step_and_before_the_group_formed() -> N
         assert "while this rank waited in its restore" in fired[0]
     finally:
         dog.close()
+
+
+def test_the_watchdog_does_not_blame_peers_for_its_own_process_stopping() -> None:
+    # The launcher's hang stops a replica (SIGSTOP) and continues it for the SIGTERM of a
+    # job retry: the peers' and the store's last answers are then as old as the stop.
+    clock, silent = Clock(), [("the rendezvous store at 127.0.0.1:1, did not answer", 0.0)]
+    fired: list[str] = []
+    event = threading.Event()
+
+    def on_hang(msg: str) -> None:
+        fired.append(msg)
+        event.set()
+
+    dog = HangWatchdog(2.0, on_hang=on_hang, clock=clock, pace=clock)   # one jump for both
+    dog.listen(lambda: silent[0])
+    try:
+        dog.arm()
+        dog.phase("save")
+        clock.now = 30.0              # 30 s between two of its polls: it did not run
+        assert not event.wait(0.6)
+        clock.now = 31.9
+        assert not event.wait(0.5)
+        clock.now = 32.1              # silent for 2 s since it runs again: that counts
+        assert event.wait(10)
+        assert "did not answer for 2 s" in fired[0]
+    finally:
+        dog.close()

@@ -17,6 +17,7 @@ merely slow (its own long save) still beats, and is waited for.
 from __future__ import annotations
 
 import logging
+import math
 import os
 import sys
 import threading
@@ -62,7 +63,10 @@ class HangWatchdog:
     """Exits the process when no ``beat()`` arrived for ``timeout_s`` while armed."""
 
     def __init__(self, timeout_s: float, *, on_hang: Callable[[str], None] = report_and_exit,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic,
+                 pace: Callable[[], float] = time.monotonic) -> None:
+        """``clock`` times steps and silences; ``pace`` times this watchdog's own polls, to
+        tell when the process itself did not run (both ``time.monotonic`` but in tests)."""
         if timeout_s <= 0:
             raise ValueError(f"hang timeout must be > 0 seconds, got {timeout_s}")
         self.timeout_s = timeout_s
@@ -74,6 +78,8 @@ class HangWatchdog:
         self._step: int | None = None
         self._phase = "step"
         self._silent: Callable[[], tuple[str, float] | None] | None = None
+        self._pace = pace
+        self._resumed = -math.inf   # when this process last ran again after not running
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="rt-hang-watchdog", daemon=True)
         self._thread.start()
@@ -115,7 +121,13 @@ class HangWatchdog:
 
     def _run(self) -> None:
         poll = min(1.0, self.timeout_s / 10)
+        polled = self._pace()
         while not self._stop.wait(poll):
+            polled, before = self._pace(), polled
+            if polled - before > max(2.0, 5 * poll):
+                # This process did not run (stopped: SIGSTOP, a paused VM): what it saw of
+                # its peers and the store is as old as its stop, not their silence.
+                self._resumed = self._clock()
             if self._phase != "step":
                 self._check_peers()
                 continue
@@ -134,7 +146,7 @@ class HangWatchdog:
         if quiet is None:
             return
         who, since = quiet
-        silent_s = self._clock() - since
+        silent_s = self._clock() - max(since, self._resumed)
         if silent_s >= self.timeout_s:
             phase = self._phase
             self._armed = self._arming = False
