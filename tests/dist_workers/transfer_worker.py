@@ -88,16 +88,19 @@ class Memory:
 
 
 def by_plan(rank: int) -> list[str]:
-    """Rank 2 receives the tree by a plan, its progress lines every 50 ms; rank 0 holds the
-    send after the first message until a line shows bytes received (a file says so)."""
-    seen = os.path.join(os.environ["RESULT_DIR"], "progress-seen")
+    """Rank 2 receives the tree by a plan from rank 0, both with progress lines every 50
+    ms; rank 0 holds the send after the first message until a line of each end shows bytes
+    moved (a file per rank says so)."""
+    def seen(r: int) -> str:
+        return os.path.join(os.environ["RESULT_DIR"], f"progress-seen.{r}")
+
     lines: list[str] = []
 
     class Lines(logging.Handler):
         def emit(self, record: logging.LogRecord) -> None:
             lines.append(record.getMessage())
             if re.search(r": [1-9][0-9.]* (B|KiB|MiB) of ", lines[-1]):
-                open(seen, "a").close()
+                open(seen(rank), "a").close()
 
     progress.AFTER_S, progress.EVERY_S = 0.0, 0.05
     logging.getLogger(progress.__name__).addHandler(Lines())
@@ -108,7 +111,8 @@ def by_plan(rank: int) -> list[str]:
         def held(tensors: list, message: list) -> torch.Tensor:
             calls[0] += 1
             deadline = time.monotonic() + 60
-            while calls[0] == 2 and not os.path.exists(seen) and time.monotonic() < deadline:
+            while calls[0] == 2 and not all(os.path.exists(seen(r)) for r in (0, 2)) \
+                    and time.monotonic() < deadline:
                 time.sleep(0.01)
             return built(tensors, message)
 
