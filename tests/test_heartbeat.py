@@ -105,7 +105,7 @@ def test_a_store_that_stops_answering_the_watcher_is_the_silent_one() -> None:
     assert me.quietest() == (None, 3.0)
 
 
-def watchdog(clock: Clock, silent: list[tuple[str, float] | None]) -> tuple[
+def watchdog(clock: Clock, silent: list[tuple[str, float] | None], **kwargs: Clock) -> tuple[
         HangWatchdog, list[str], threading.Event]:
     fired: list[str] = []
     event = threading.Event()
@@ -114,7 +114,7 @@ def watchdog(clock: Clock, silent: list[tuple[str, float] | None]) -> tuple[
         fired.append(msg)
         event.set()
 
-    dog = HangWatchdog(2.0, on_hang=on_hang, clock=clock)
+    dog = HangWatchdog(2.0, on_hang=on_hang, clock=clock, **kwargs)
     dog.listen(lambda: silent[0])
     return dog, fired, event
 
@@ -157,15 +157,7 @@ def test_the_watchdog_does_not_blame_peers_for_its_own_process_stopping() -> Non
     # The launcher's hang stops a replica (SIGSTOP) and continues it for the SIGTERM of a
     # job retry: the peers' and the store's last answers are then as old as the stop.
     clock, silent = Clock(), [("the rendezvous store at 127.0.0.1:1, did not answer", 0.0)]
-    fired: list[str] = []
-    event = threading.Event()
-
-    def on_hang(msg: str) -> None:
-        fired.append(msg)
-        event.set()
-
-    dog = HangWatchdog(2.0, on_hang=on_hang, clock=clock, pace=clock)   # one jump for both
-    dog.listen(lambda: silent[0])
+    dog, fired, event = watchdog(clock, silent, pace=clock)   # one jump for both clocks
     try:
         dog.arm()
         dog.phase("save")
