@@ -391,10 +391,11 @@ class Rendezvous:
             if now - last_log >= PROGRESS_EVERY_S:
                 last_log = now
                 missing = self._missing(keys)
-                logger.warning("waiting for %d of %d workers: %s, %.0f s of %.0f s",
-                               len(missing), self.world_size,
-                               describe_ranks(missing, self.name_of), now - start,
-                               self.join_timeout_s)
+                if missing:   # none: the last one came meanwhile (or the store's host froze)
+                    logger.warning("waiting for %d of %d workers: %s, %.0f s of %.0f s",
+                                   len(missing), self.world_size,
+                                   describe_ranks(missing, self.name_of), now - start,
+                                   self.join_timeout_s)
             time.sleep(sleep)
             sleep = min(sleep * 2, self.poll_s)
 
@@ -459,7 +460,9 @@ class Rendezvous:
             if now - last_log >= PROGRESS_EVERY_S:
                 last_log = now
                 missing = self._missing(keys)
-                logger.warning("barrier %r: waiting for %s, %.0f s of %.0f s", name,
-                               describe_ranks(missing, self.name_of), now - start, timeout_s)
+                if missing:   # none: the last one came meanwhile (or the store's host froze)
+                    logger.warning("barrier %r: waiting for %s, %.0f s of %.0f s", name,
+                                   describe_ranks(missing, self.name_of), now - start,
+                                   timeout_s)
             time.sleep(sleep)
             sleep = min(sleep * 2, self.poll_s)
