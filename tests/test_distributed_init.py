@@ -602,11 +602,12 @@ def test_a_rank_held_inside_torch_after_its_peer_left_exits_transient(tmp_path: 
 FROZEN_PEER = Path(__file__).parent / "init_workers" / "frozen_peer.py"
 
 
-def _two_ranks(mode: str, hang_s: float, frozen: int = 1) -> list[subprocess.Popen[str]]:
+def _ranks(mode: str, hang_s: float, frozen: int = 1, world: int = 2
+           ) -> list[subprocess.Popen[str]]:
     port = free_port()
     procs = []
-    for rank in range(2):
-        env = dict(os.environ, RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
+    for rank in range(world):
+        env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
                    MASTER_PORT=str(port), GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1",
                    MODE=mode, HANG_S=str(hang_s), FROZEN=str(frozen))
         for var in ("CLUSTER_SPEC", "TF_CONFIG", "TORCHELASTIC_USE_AGENT_STORE"):
@@ -625,7 +626,7 @@ def test_a_rank_waiting_in_a_save_on_a_frozen_peer_exits_transient_naming_it(
     # timeout (10 minutes), or the job's; and on a stopped primary for good, since torch's
     # store client then never times out (its watcher thread waits with it).
     hang_s = 3.0
-    procs = _two_ranks("frozen", hang_s, frozen)
+    procs = _ranks("frozen", hang_s, frozen)
     waiter = 1 - frozen
     try:
         out, err = procs[waiter].communicate(timeout=hang_s + 90)
@@ -646,7 +647,7 @@ def test_a_rank_waiting_in_a_save_on_a_frozen_peer_exits_transient_naming_it(
 @pytest.mark.slow
 def test_a_peer_in_a_long_save_or_shut_down_is_waited_for_not_taken_for_a_hang() -> None:
     hang_s = 3.0   # the beats come every 0.5 s: a loaded machine's delays are no silence
-    procs = _two_ranks("slow", hang_s)
+    procs = _ranks("slow", hang_s)
     try:
         results = [p.communicate(timeout=4 * hang_s + 90) for p in procs]
     finally:
@@ -657,3 +658,24 @@ def test_a_peer_in_a_long_save_or_shut_down_is_waited_for_not_taken_for_a_hang()
         assert procs[rank].returncode == 0, (rank, err[-3000:])
         assert f"rank {rank}: done" in out
         assert "hang:" not in err
+
+
+@pytest.mark.slow
+def test_a_rank_re_forming_on_a_stopped_primarys_store_exits_transient() -> None:
+    # Re-forming waits for peers as long as the join timeout allows, which is no hang;
+    # but torch's store client waits for good on a store whose host stopped: before, the
+    # survivor sat past the join timeout (20 s), still there at 60 s.
+    hang_s = 3.0
+    procs = _ranks("reform", hang_s, world=3)
+    try:
+        out, err = procs[1].communicate(timeout=hang_s + 90)
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait(timeout=30)
+    assert procs[1].returncode == 134, err[-3000:]
+    assert "re-formed without its primary" not in out + err
+    assert "generation 0 ended" in err, err[-3000:]
+    assert re.search(r"hang: the rendezvous store at 127\.0\.0\.1:\d+, on workerpool0-0, did "
+                     r"not answer for \d+ s while this rank waited in its rendezvous", err), \
+        err[-3000:]

@@ -192,6 +192,7 @@ class DistributedGroup:
         self._watch_stop = threading.Event()
         self._watcher: threading.Thread | None = None
         self._beats: PeerBeats | None = None   # this generation's heartbeats (hang watchdog)
+        self._rejoining = False   # between generations: the rendezvous's waits are watched
         self._barriers: dict[str, int] = {}
         self._closed = False
         self._hang = HangWatchdog(options.hang_timeout_s) if options.hang_timeout_s else None
@@ -295,6 +296,12 @@ class DistributedGroup:
         logger.warning("%s: generation %d ended (%s); re-forming the process group",
                        self.replica_name, self.generation, reason)
         self._teardown(self.replica_name)
+        if self._hang is not None:
+            # Waiting for peers to come back is no hang; a store call that never returns is.
+            self._rejoining = True
+            self._rdzv.tick()
+            self._hang.arm()
+            self._hang.phase("rendezvous")
         # The watcher's lost store is not probed again (a 5 s wait on a dead socket).
         if self._store_lost or not self._store_alive():
             # torchrun's agents on several machines: the store may never come back.
@@ -308,7 +315,13 @@ class DistributedGroup:
         self._peer_lost.clear()
         self._peer_reason = ""
         self._store_lost = False
-        self._form(self.generation + 1, f"{self.replica_name} saw: {reason}")
+        try:
+            self._form(self.generation + 1, f"{self.replica_name} saw: {reason}")
+        except BaseException:
+            if self._hang is not None:   # on its way out with the error: no hang to report
+                self._rejoining = False
+                self._hang.disarm()
+            raise
         self.last_recovery_s = time.monotonic() - t0
         logger.warning("%s: process group re-formed at generation %d in %.1f s",
                        self.replica_name, self.generation, self.last_recovery_s)
@@ -402,9 +415,11 @@ class DistributedGroup:
                     self.rank, self.world_size, gen, self.backend)
         if at_least == 0:
             self._sigterm_guard.install()  # once, from init_distributed (the main thread)
+        self._rejoining = False
         self._start_watcher(gen)
         if self._hang is not None:
             self._hang.arm()
+            self._hang.phase("step")
 
     def _formation_broke(self, gen: int, exc: BaseException) -> bool:
         """Whether init failed because the generation's membership broke (retry) rather
@@ -492,12 +507,17 @@ class DistributedGroup:
         self._watcher.start()
 
     def _silent_peer(self) -> tuple[str, float] | None:
-        """What has been silent longest while this rank waits, in words, and since when."""
-        beats = self._beats
-        quiet = beats.quietest() if beats is not None else None
-        if quiet is None:
-            return None
-        rank, since = quiet
+        """What has been silent longest while this rank waits, in words, and since when:
+        a peer, or the store (its host stopped: the watcher, or between generations the
+        rendezvous, waits in a call that does not return)."""
+        if self._rejoining:
+            rank, since = None, self._rdzv.alive
+        else:
+            beats = self._beats
+            quiet = beats.quietest() if beats is not None else None
+            if quiet is None:
+                return None
+            rank, since = quiet
         if rank is not None:
             return f"{self.name_of(rank)} (rank {rank}) sent no heartbeat", since
         host = "" if agent_hosts_store() else f", on {self.name_of(0)}"

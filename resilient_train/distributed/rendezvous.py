@@ -103,6 +103,10 @@ class Rendezvous:
         self.resolver = resolver
         self.poll_s = poll_s
         self.incarnation = uuid.uuid4().hex
+        # When this process's rendezvous last went round a loop of its waits (or began a
+        # step of one): a wait whose store call never returns (its host stopped; torch's
+        # client does not give up then) leaves it behind, for the hang watchdog.
+        self.alive = time.monotonic()
         self.epoch = ""
         self.store: Any = None
 
@@ -210,12 +214,17 @@ class Rendezvous:
                 logger.warning("%s; retrying until the join deadline", exc)
             raise
 
+    def tick(self) -> None:
+        """This process's rendezvous is not stuck in a store call (``alive``)."""
+        self.alive = time.monotonic()
+
     def _connect_once(self, deadline: float, what: str) -> None:
         import torch.distributed as dist
 
+        self.tick()
         _leave_if_stopped(f"{what} at {self.host}:{self.port} to accept connections")
         kwargs: dict[str, Any] = {"resolver": self.resolver} if self.resolver else {}
-        address = resolve(self.host, self.port, what=what,
+        address = resolve(self.host, self.port, what=what, on_wait=self.tick,
                           deadline_s=max(0.0, deadline - time.monotonic()), **kwargs)
         remaining = deadline - time.monotonic()
         host, port = self._open(address, min(1.0, max(remaining, 0.1)))
@@ -328,6 +337,7 @@ class Rendezvous:
         """Join the newest generation >= ``at_least``; returns it once every rank is in."""
         me = self.name_of(self.rank)
         while True:
+            self.tick()
             gen = self.generation()
             if gen < at_least:
                 self._advance(gen, at_least, cause or f"{me} (rank {self.rank}) re-joined")
@@ -361,6 +371,7 @@ class Rendezvous:
         start = last_log = time.monotonic()
         sleep = 0.01
         while True:
+            self.tick()
             if self.store.check(keys):
                 return True
             if self.generation() != gen:
@@ -432,6 +443,7 @@ class Rendezvous:
         # others may still be asking it who never came.
         early: list[int] | None = None
         while True:
+            self.tick()
             try:
                 if self.store.check(keys):
                     break

@@ -39,11 +39,13 @@ def resolve(
     resolver: Resolver = socket.getaddrinfo,
     max_wait_s: float = 5.0,
     progress_every_s: float = 10.0,
+    on_wait: Callable[[], None] | None = None,
 ) -> str:
     """The first address of ``host``; retries name errors until ``deadline_s`` seconds.
 
-    Logs a line a person can read about every ``progress_every_s``. Raises
-    PrimaryUnreachableError naming the host when it never resolves.
+    Logs a line a person can read about every ``progress_every_s``; calls ``on_wait``
+    between attempts (a long wait is no hang). Raises PrimaryUnreachableError naming the
+    host when it never resolves.
     """
     start = time.monotonic()
     last_log = [start]
@@ -52,6 +54,8 @@ def resolve(
         if sigterm.received():   # the peers are being stopped too: leave (exit 134)
             raise StopRequestedError(f"SIGTERM while waiting for {what}'s address {host!r} "
                                      f"to resolve; leaving")
+        if on_wait is not None:
+            on_wait()
         now = time.monotonic()
         if now - last_log[0] >= progress_every_s:
             last_log[0] = now

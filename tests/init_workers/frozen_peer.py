@@ -10,8 +10,13 @@ exit 134 (the test kills the stopped one).
 all-reduce, and afterwards rank 0 spends as long again in a save while rank 1 has shut
 down: nobody may fire, both print ``done`` and exit 0.
 
-Environment: RANK, WORLD_SIZE=2, MASTER_ADDR, MASTER_PORT (torchrun style), MODE, HANG_S,
-FROZEN.
+``MODE=reform`` (three ranks, under ``group.run``): in step 3 rank 2 dies and the primary
+stops itself; rank 1 fails in the all-reduce and re-forms the group, where torch's store
+client waits for good on the stopped primary's store. Its watchdog must exit 134, naming
+the store, instead (it waited past the join timeout before).
+
+Environment: RANK, WORLD_SIZE (2; 3 for reform), MASTER_ADDR, MASTER_PORT (torchrun style),
+MODE, HANG_S, FROZEN.
 """
 
 from __future__ import annotations
@@ -28,7 +33,24 @@ import resilient_train as rt
 hang_s = float(os.environ["HANG_S"])
 mode = os.environ["MODE"]
 group = rt.init_distributed(rt.DistributedOptions(
-    join_timeout_s=60, collective_timeout_s=120, hang_timeout_s=hang_s))
+    join_timeout_s=20, collective_timeout_s=120, hang_timeout_s=hang_s))
+
+
+def reform() -> None:
+    for step in range(6):
+        if group.generation == 0 and step == 3:
+            if group.rank == 2:
+                os._exit(1)
+            if group.rank == 0:
+                os.kill(os.getpid(), signal.SIGSTOP)
+        dist.all_reduce(torch.ones(4))
+        group.step_done(step + 1)
+
+
+if mode == "reform":
+    with group:
+        group.run(reform)
+    raise SystemExit(f"rank {group.rank}: re-formed without its primary")
 with group:
     for step in range(3):   # a few steps: the watchdog is armed
         dist.all_reduce(torch.ones(4))
