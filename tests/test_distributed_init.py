@@ -602,14 +602,15 @@ def test_a_rank_held_inside_torch_after_its_peer_left_exits_transient(tmp_path: 
 FROZEN_PEER = Path(__file__).parent / "init_workers" / "frozen_peer.py"
 
 
-def _ranks(mode: str, hang_s: float, frozen: int = 1, world: int = 2
+def _ranks(mode: str, hang_s: float, frozen: int = 1, world: int = 2, **bounds: float
            ) -> list[subprocess.Popen[str]]:
     port = free_port()
     procs = []
     for rank in range(world):
         env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
                    MASTER_PORT=str(port), GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1",
-                   MODE=mode, HANG_S=str(hang_s), FROZEN=str(frozen))
+                   MODE=mode, HANG_S=str(hang_s), FROZEN=str(frozen),
+                   **{k: str(v) for k, v in bounds.items()})
         for var in ("CLUSTER_SPEC", "TF_CONFIG", "TORCHELASTIC_USE_AGENT_STORE"):
             env.pop(var, None)
         procs.append(subprocess.Popen([sys.executable, str(FROZEN_PEER)], env=env, text=True,
@@ -679,3 +680,30 @@ def test_a_rank_re_forming_on_a_stopped_primarys_store_exits_transient() -> None
     assert re.search(r"hang: the rendezvous store at 127\.0\.0\.1:\d+, on workerpool0-0, did "
                      r"not answer for \d+ s while this rank waited in its rendezvous", err), \
         err[-3000:]
+
+
+@pytest.mark.slow
+def test_without_a_hang_timeout_a_stopped_primarys_store_is_cut_and_the_rank_leaves() -> None:
+    # torch's store client waits for good on a store whose host stopped: without the hang
+    # watchdog the rank waited with it until the job's timeout. Now, past STORE_SILENT_S
+    # without an answer to its watcher, its connections to the store are cut, the loss is
+    # the primary's, and the rank's collective fails (or, held in it, the rank leaves
+    # after LOST_PEER_STALL_S); under group.run it would re-form, within the join timeout.
+    procs = _ranks("frozen", 0, frozen=0, STORE_SILENT_S=2, LOST_PEER_STALL_S=3)
+    try:
+        out, err = procs[1].communicate(timeout=90)
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait(timeout=30)
+    assert procs[1].returncode != 0 and "done" not in out, err[-3000:]
+    assert re.search(r"workerpool1-0: the rendezvous store at 127\.0\.0\.1:\d+ \(on "
+                     r"workerpool0-0\) has not answered for 2 s: its host stopped, froze or "
+                     r"is cut off; closing this process's connections to it", err), err[-3000:]
+    # The loss is the primary's: what the training thread waited in failed (the barrier's
+    # store call, or the collective, as on a peer's loss), or, held in it, the rank left
+    # (exit 134) naming the store.
+    assert ("Connection closed by peer" in err or "DistNetworkError" in err or (
+        procs[1].returncode == 134 and "lost the rendezvous store at 127.0.0.1:" in err
+        and "stayed at one call inside torch for 3 s" in err)), err[-3000:]
+    assert "hang:" not in err

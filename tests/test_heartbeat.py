@@ -24,85 +24,85 @@ def beats(clock: Clock, rank: int, world: int = 3) -> PeerBeats:
 
 
 def test_a_peer_that_stops_beating_is_the_silent_one_since_its_last_beat() -> None:
-    store, clock = dist.HashStore(), Clock()
+    store, clock, heard = dist.HashStore(), Clock(), 0.0   # heard: the store's last answer
     me, live, frozen = (beats(clock, r) for r in range(3))
     for t in range(4):
         clock.now = float(t)
-        me.heard()
+        heard = clock.now
         for b in (me, live) if t >= 2 else (me, live, frozen):   # rank 2 stops after t=1
             b.beat(store)
         me.observe(store)
-    assert me.quietest() == (2, 1.0)   # its counter last moved when seen at t=1
+    assert me.quietest(heard) == (2, 1.0)   # its counter last moved when seen at t=1
     clock.now = 10.0
     live.beat(store)
-    me.heard()
+    heard = clock.now
     me.observe(store)
-    assert me.quietest() == (2, 1.0)
+    assert me.quietest(heard) == (2, 1.0)
 
 
 def test_a_peer_frozen_before_its_first_beat_does_not_block_the_reader() -> None:
     # multi_get waits for a key that does not exist: the reader creates it first.
-    store, clock = dist.HashStore(), Clock()
+    store, clock, heard = dist.HashStore(), Clock(), 0.0   # heard: the store's last answer
     me = beats(clock, 0, world=2)
     me.observe(store)
-    assert me.quietest() == (1, 0.0)
+    assert me.quietest(heard) == (1, 0.0)
     assert int(store.get("g/0/beat/1")) == 0
 
 
 def test_a_peer_that_left_is_never_silent() -> None:
-    store, clock = dist.HashStore(), Clock()
+    store, clock, heard = dist.HashStore(), Clock(), 0.0   # heard: the store's last answer
     me, gone = beats(clock, 0, world=2), beats(clock, 1, world=2)
     gone.beat(store)
     gone.leave(store)
     for t in range(0, 30, 2):
         clock.now = float(t)
-        me.heard()
+        heard = clock.now
         me.observe(store)
-    assert me.quietest() == (1, 28.0)   # seen again at every look: silent for 0 s
+    assert me.quietest(heard) == (1, 28.0)   # seen again at every look: silent for 0 s
 
 
 def test_reads_and_beats_at_most_once_a_period() -> None:
-    store, clock = dist.HashStore(), Clock()
+    store, clock, heard = dist.HashStore(), Clock(), 0.0   # heard: the store's last answer
     me, peer = beats(clock, 0, world=2), beats(clock, 1, world=2)
     for t in (0.0, 0.3, 0.6, 0.9):
         clock.now = t
         peer.beat(store)
     assert int(store.get("g/0/beat/1")) == 1
     me.observe(store)                    # at 0.9: the next look at 1.9
-    assert me.quietest() == (1, 0.9)
+    assert me.quietest(heard) == (1, 0.9)
     clock.now = 1.0
     peer.beat(store)
     assert int(store.get("g/0/beat/1")) == 2
     me.observe(store)                    # too soon: not read
-    assert me.quietest() == (1, 0.9)
+    assert me.quietest(heard) == (1, 0.9)
     clock.now = 1.9
-    me.heard()
+    heard = clock.now
     me.observe(store)
-    assert me.quietest() == (1, 1.9)
+    assert me.quietest(heard) == (1, 1.9)
 
 
 def test_watching_starts_afresh_when_the_rank_trains_again() -> None:
-    store, clock = dist.HashStore(), Clock()
+    store, clock, heard = dist.HashStore(), Clock(), 0.0   # heard: the store's last answer
     me = beats(clock, 0, world=2)
     me.observe(store)
     me.stop_observing()
-    assert me.quietest() is None
+    assert me.quietest(heard) is None
     clock.now = 50.0
-    me.heard()
+    heard = clock.now
     me.observe(store)
-    assert me.quietest() == (1, 50.0)   # not silent since 0: this rank was not waiting
+    assert me.quietest(heard) == (1, 50.0)   # not silent since 0: this rank was not waiting
 
 
 def test_a_store_that_stops_answering_the_watcher_is_the_silent_one() -> None:
-    store, clock = dist.HashStore(), Clock()
+    store, clock, heard = dist.HashStore(), Clock(), 0.0   # heard: the store's last answer
     me = beats(clock, 0, world=2)
     clock.now = 3.0
-    me.heard()
+    heard = clock.now
     me.observe(store)
     clock.now = 5.0      # two periods without an answer: still the peer's view
-    assert me.quietest() == (1, 3.0)
+    assert me.quietest(heard) == (1, 3.0)
     clock.now = 5.1
-    assert me.quietest() == (None, 3.0)
+    assert me.quietest(heard) == (None, 3.0)
 
 
 def watchdog(clock: Clock, silent: list[tuple[str, float] | None], **kwargs: Clock) -> tuple[

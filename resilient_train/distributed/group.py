@@ -49,6 +49,9 @@ T = TypeVar("T")
 # connections were cut, before the rank gives up re-forming in-process (_leave_if_stuck):
 # far past any collective that sees its sockets fail, and short of the job's patience.
 LOST_PEER_STALL_S = 30.0
+# The store has not answered the watcher for this long: its host stopped, froze or is cut
+# off, and torch's store client would wait on it for good. Far above a busy store's answer.
+STORE_SILENT_S = 60.0
 
 OnPeerRestart = Literal["recover", "exit"]
 
@@ -193,6 +196,7 @@ class DistributedGroup:
         self._watcher: threading.Thread | None = None
         self._beats: PeerBeats | None = None   # this generation's heartbeats (hang watchdog)
         self._rejoining = False   # between generations: the rendezvous's waits are watched
+        self._store_heard = time.monotonic()   # the store last answered the watcher
         self._barriers: dict[str, int] = {}
         self._closed = False
         self._hang = HangWatchdog(options.hang_timeout_s) if options.hang_timeout_s else None
@@ -502,9 +506,13 @@ class DistributedGroup:
                 lambda r: self._rdzv.key("g", gen, "beat", r), self.rank, self.world_size,
                 period_s=max(self.options.watch_interval_s, self._hang.timeout_s / 8))
             self._hang.listen(self._silent_peer)
+        self._store_heard = time.monotonic()
         self._watcher = threading.Thread(target=self._watch, args=(gen, client, self._watch_stop),
                                          name="rt-peer-watcher", daemon=True)
         self._watcher.start()
+        if not self._rdzv.hosts_store and not agent_hosts_store():   # relayed: it can cut
+            threading.Thread(target=self._watch_store, args=(self._watcher, self._watch_stop),
+                             name="rt-store-liveness", daemon=True).start()
 
     def _silent_peer(self) -> tuple[str, float] | None:
         """What has been silent longest while this rank waits, in words, and since when:
@@ -514,7 +522,7 @@ class DistributedGroup:
             rank, since = None, self._rdzv.alive
         else:
             beats = self._beats
-            quiet = beats.quietest() if beats is not None else None
+            quiet = beats.quietest(self._store_heard) if beats is not None else None
             if quiet is None:
                 return None
             rank, since = quiet
@@ -538,7 +546,7 @@ class DistributedGroup:
                 if current == gen:
                     if beats is not None:
                         self._heartbeat(beats, store)
-                        beats.heard()
+                    self._store_heard = time.monotonic()
                     continue
                 cause = self._rdzv.cause(current, store) if current > gen else ""
                 reason = f"generation {current} began: {cause or 'a peer restarted'}"
@@ -552,6 +560,27 @@ class DistributedGroup:
             self._flag(reason)
             self._leave_if_stuck(reason, stop)
             return
+
+    def _watch_store(self, watcher: threading.Thread, stop: threading.Event) -> None:
+        """The watcher's calls do not return when the store's host stopped (torch's client
+        waits for good, and the survivors' recovery with it): past STORE_SILENT_S without
+        an answer, cut this process's connections to the store. Every call on them fails
+        then, and the loss is handled as the store's (the primary's) is."""
+        ran = time.monotonic()
+        while not stop.wait(1.0) and watcher.is_alive():   # it returns once it flagged
+            now, before = time.monotonic(), ran
+            ran = now
+            if now - before > 5.0:   # this process did not run (stopped): start afresh
+                self._store_heard = max(self._store_heard, now)
+            silent = now - self._store_heard
+            if silent >= STORE_SILENT_S and not stop.is_set():
+                logger.warning(
+                    "%s: the rendezvous store at %s:%s (on %s) has not answered for %.0f s: "
+                    "its host stopped, froze or is cut off; closing this process's "
+                    "connections to it", self.replica_name, self.info.master_addr,
+                    self.info.master_port, self.name_of(0), silent)
+                self._rdzv.cut()
+                return
 
     def _heartbeat(self, beats: PeerBeats, store: Any) -> None:
         """Beat; and while this rank waits outside a step, look at the peers' beats."""

@@ -10,8 +10,8 @@ leaves on purpose (``leave()``, at shutdown) is never taken for a silent one.
 
 The store itself can be what stopped: its host (the primary) frozen. Then torch's store
 client does not time out: a ``get``, ``add`` or ``multi_get`` waits for good (its timeout
-only logs "waitForInput ... timed out"). So the watcher marks each poll the store answered
-(``heard()``), and a watcher stuck in one counts as the store's silence.
+only logs "waitForInput ... timed out"). So the group notes when the store last answered
+its watcher, and a watcher stuck in a call counts as the store's silence (``quietest``).
 """
 
 from __future__ import annotations
@@ -33,7 +33,6 @@ class PeerBeats:
         self.period_s = period_s
         self._peers = [r for r in range(world_size) if r != rank]
         self._clock = clock
-        self._heard = clock()   # the last time the store answered the watcher
         self._next_beat = 0.0
         self._next_look = 0.0
         self._created = False
@@ -43,16 +42,13 @@ class PeerBeats:
         # thread reads it (one attribute: it sees the old pair or the new one).
         self.silent: tuple[int, float] | None = None
 
-    def heard(self) -> None:
-        """The store answered the watcher just now."""
-        self._heard = self._clock()
-
-    def quietest(self) -> tuple[int | None, float] | None:
+    def quietest(self, heard: float) -> tuple[int | None, float] | None:
         """Who has been silent longest while this rank watched, and since when: a peer's
-        rank, or None for the store (the watcher waits on it for longer than two periods,
-        and then what the peers did since is unknown). None when nothing is known yet."""
-        if self._clock() - self._heard > 2 * self.period_s:
-            return None, self._heard
+        rank, or None for the store (it last answered the watcher at ``heard``, more than
+        two periods ago, and what the peers did since is unknown). None when nothing is
+        known yet."""
+        if self._clock() - heard > 2 * self.period_s:
+            return None, heard
         return self.silent
 
     def beat(self, store: Any) -> None:

@@ -214,6 +214,11 @@ class Rendezvous:
                 logger.warning("%s; retrying until the join deadline", exc)
             raise
 
+    def cut(self) -> None:
+        """End this process's connections to the store now (from any thread): a call
+        waiting on a store that does not answer fails at once."""
+        self._relays.close(timeout_s=1.0)
+
     def tick(self) -> None:
         """This process's rendezvous is not stuck in a store call (``alive``)."""
         self.alive = time.monotonic()

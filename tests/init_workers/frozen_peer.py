@@ -15,6 +15,10 @@ stops itself; rank 1 fails in the all-reduce and re-forms the group, where torch
 client waits for good on the stopped primary's store. Its watchdog must exit 134, naming
 the store, instead (it waited past the join timeout before).
 
+``HANG_S=0``: no hang watchdog. ``STORE_SILENT_S``, ``LOST_PEER_STALL_S``: the library's
+bounds on a store that does not answer and on a thread held after the cut (60 s and 30 s
+there; the same mechanism, only slower to test).
+
 Environment: RANK, WORLD_SIZE (2; 3 for reform), MASTER_ADDR, MASTER_PORT (torchrun style),
 MODE, HANG_S, FROZEN.
 """
@@ -29,11 +33,15 @@ import torch
 import torch.distributed as dist
 
 import resilient_train as rt
+from resilient_train.distributed import group as group_module
 
+for bound in ("STORE_SILENT_S", "LOST_PEER_STALL_S"):
+    if bound in os.environ:
+        setattr(group_module, bound, float(os.environ[bound]))
 hang_s = float(os.environ["HANG_S"])
 mode = os.environ["MODE"]
 group = rt.init_distributed(rt.DistributedOptions(
-    join_timeout_s=20, collective_timeout_s=120, hang_timeout_s=hang_s))
+    join_timeout_s=20, collective_timeout_s=120, hang_timeout_s=hang_s or None))
 
 
 def reform() -> None:
