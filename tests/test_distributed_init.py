@@ -618,6 +618,18 @@ def _ranks(mode: str, hang_s: float, frozen: int = 1, world: int = 2, **bounds: 
     return procs
 
 
+def _outcome(procs: list[subprocess.Popen[str]], rank: int, timeout_s: float
+             ) -> tuple[str, str]:
+    """Rank ``rank``'s output once it ended; then every process of the job is killed (a
+    stopped one too)."""
+    try:
+        return procs[rank].communicate(timeout=timeout_s)
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait(timeout=30)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("frozen", [1, 0])
 def test_a_rank_waiting_in_a_save_on_a_frozen_peer_exits_transient_naming_it(
@@ -629,12 +641,7 @@ def test_a_rank_waiting_in_a_save_on_a_frozen_peer_exits_transient_naming_it(
     hang_s = 3.0
     procs = _ranks("frozen", hang_s, frozen)
     waiter = 1 - frozen
-    try:
-        out, err = procs[waiter].communicate(timeout=hang_s + 90)
-    finally:
-        for p in procs:
-            p.kill()
-            p.wait(timeout=30)
+    out, err = _outcome(procs, waiter, hang_s + 90)
     silent = ("workerpool1-0 (rank 1) sent no heartbeat for" if frozen else
               "the rendezvous store at 127.0.0.1:")
     assert procs[waiter].returncode == 134, err[-3000:]
@@ -668,12 +675,7 @@ def test_a_rank_re_forming_on_a_stopped_primarys_store_exits_transient() -> None
     # survivor sat past the join timeout (20 s), still there at 60 s.
     hang_s = 3.0
     procs = _ranks("reform", hang_s, world=3)
-    try:
-        out, err = procs[1].communicate(timeout=hang_s + 90)
-    finally:
-        for p in procs:
-            p.kill()
-            p.wait(timeout=30)
+    out, err = _outcome(procs, 1, hang_s + 90)
     assert procs[1].returncode == 134, err[-3000:]
     assert "re-formed without its primary" not in out + err
     assert "generation 0 ended" in err, err[-3000:]
@@ -690,12 +692,7 @@ def test_without_a_hang_timeout_a_stopped_primarys_store_is_cut_and_the_rank_lea
     # the primary's, and the rank's collective fails (or, held in it, the rank leaves
     # after LOST_PEER_STALL_S); under group.run it would re-form, within the join timeout.
     procs = _ranks("frozen", 0, frozen=0, STORE_SILENT_S=2, LOST_PEER_STALL_S=3)
-    try:
-        out, err = procs[1].communicate(timeout=90)
-    finally:
-        for p in procs:
-            p.kill()
-            p.wait(timeout=30)
+    out, err = _outcome(procs, 1, 90)
     assert procs[1].returncode != 0 and "done" not in out, err[-3000:]
     assert re.search(r"workerpool1-0: the rendezvous store at 127\.0\.0\.1:\d+ \(on "
                      r"workerpool0-0\) has not answered for 2 s: its host stopped, froze or "
