@@ -35,7 +35,7 @@ from ..text import error_line
 from ..validate import options
 from .errors import DistributedConfigError, PeerRestartedError, RendezvousTimeoutError
 from .hang import HangWatchdog, report_and_exit
-from .heartbeat import PeerBeats
+from .heartbeat import OwnPause, PeerBeats
 from .rendezvous import Rendezvous
 from .resolve import Resolver
 from .sever import Baseline, sever_gloo
@@ -566,11 +566,10 @@ class DistributedGroup:
         waits for good, and the survivors' recovery with it): past STORE_SILENT_S without
         an answer, cut this process's connections to the store. Every call on them fails
         then, and the loss is handled as the store's (the primary's) is."""
-        ran = time.monotonic()
+        pause = OwnPause(5.0)
         while not stop.wait(1.0) and watcher.is_alive():   # it returns once it flagged
-            now, before = time.monotonic(), ran
-            ran = now
-            if now - before > 5.0:   # this process did not run (stopped): start afresh
+            now = time.monotonic()
+            if pause.paused():   # the store's silence counts afresh from now
                 self._store_heard = max(self._store_heard, now)
             silent = now - self._store_heard
             if silent >= STORE_SILENT_S and not stop.is_set():

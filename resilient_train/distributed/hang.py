@@ -27,6 +27,7 @@ from collections.abc import Callable
 
 from ..errors import EXIT_TRANSIENT, Classification, write_error_report
 from ..frames import current_frames
+from .heartbeat import OwnPause
 
 logger = logging.getLogger(__name__)
 
@@ -121,12 +122,9 @@ class HangWatchdog:
 
     def _run(self) -> None:
         poll = min(1.0, self.timeout_s / 10)
-        polled = self._pace()
+        pause = OwnPause(max(2.0, 5 * poll), self._pace)
         while not self._stop.wait(poll):
-            polled, before = self._pace(), polled
-            if polled - before > max(2.0, 5 * poll):
-                # This process did not run (stopped: SIGSTOP, a paused VM): what it saw of
-                # its peers and the store is as old as its stop, not their silence.
+            if pause.paused():   # what it saw of its peers and the store is that old
                 self._resumed = self._clock()
             if self._phase != "step":
                 self._check_peers()

@@ -23,6 +23,23 @@ from typing import Any
 LEFT = 1 << 40   # added to a counter by a rank that shut down: it beats no more, on purpose
 
 
+class OwnPause:
+    """Tells, at each round of a polling loop, whether this process did not run since the
+    last round for longer than ``bound_s`` (stopped by SIGSTOP, a paused VM): whatever
+    silence it sees across that gap is as old as its own pause, not the peer's or the
+    store's."""
+
+    def __init__(self, bound_s: float, clock: Callable[[], float] = time.monotonic) -> None:
+        self._bound_s = bound_s
+        self._clock = clock
+        self._last = clock()
+
+    def paused(self) -> bool:
+        now = self._clock()
+        gap, self._last = now - self._last, now
+        return gap > self._bound_s
+
+
 class PeerBeats:
     """The heartbeats of one generation of the group, as one rank writes and reads them."""
 
