@@ -685,6 +685,35 @@ def test_a_rank_re_forming_on_a_stopped_primarys_store_exits_transient() -> None
 
 
 @pytest.mark.slow
+def test_a_rank_forming_on_a_stopped_primarys_store_exits_transient() -> None:
+    # The first formation was not watched: a primary stopped once the other rank had
+    # joined left it in gloo's connect, a store call that torch's client never gives up.
+    hang_s = 3.0
+    procs = _ranks("forming", hang_s)
+    out, err = _outcome(procs, 1, hang_s + 90)
+    assert procs[1].returncode == 134, err[-3000:]
+    assert "done" not in out
+    assert re.search(r"hang: the rendezvous store at 127\.0\.0\.1:\d+, on workerpool0-0, did "
+                     r"not answer for \d+ s while this rank waited in its rendezvous", err), \
+        err[-3000:]
+
+
+@pytest.mark.slow
+def test_without_a_hang_timeout_forming_on_a_stopped_store_fails_within_the_join_timeout(
+        ) -> None:
+    # The same stop without the watchdog: the connections are cut after STORE_SILENT_S, the
+    # formation waits for the store to come back, and the join timeout ends it with an
+    # error that says so (before: still waiting at the test's bound).
+    procs = _ranks("forming", 0, STORE_SILENT_S=2, JOIN_S=8)
+    out, err = _outcome(procs, 1, 90)
+    assert procs[1].returncode not in (0, 134) and "done" not in out, err[-3000:]
+    assert re.search(r"workerpool1-0: the rendezvous store at 127\.0\.0\.1:\d+ \(on "
+                     r"workerpool0-0\) has not answered for 2 s", err), err[-3000:]
+    assert "within 8 s" in err, err[-3000:]
+    assert "hang:" not in err
+
+
+@pytest.mark.slow
 def test_without_a_hang_timeout_a_stopped_primarys_store_is_cut_and_the_rank_leaves() -> None:
     # torch's store client waits for good on a store whose host stopped: without the hang
     # watchdog the rank waited with it until the job's timeout. Now, past STORE_SILENT_S

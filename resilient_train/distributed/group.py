@@ -21,6 +21,7 @@ import atexit
 import datetime
 import gc
 import logging
+import math
 import os
 import threading
 import time
@@ -49,8 +50,9 @@ T = TypeVar("T")
 # connections were cut, before the rank gives up re-forming in-process (_leave_if_stuck):
 # far past any collective that sees its sockets fail, and short of the job's patience.
 LOST_PEER_STALL_S = 30.0
-# The store has not answered the watcher for this long: its host stopped, froze or is cut
-# off, and torch's store client would wait on it for good. Far above a busy store's answer.
+# The store has not answered (the watcher, or while the group forms the rendezvous) for
+# this long: its host stopped, froze or is cut off, and torch's store client would wait on
+# it for good. Far above a busy store's answer.
 STORE_SILENT_S = 60.0
 
 OnPeerRestart = Literal["recover", "exit"]
@@ -195,8 +197,10 @@ class DistributedGroup:
         self._watch_stop = threading.Event()
         self._watcher: threading.Thread | None = None
         self._beats: PeerBeats | None = None   # this generation's heartbeats (hang watchdog)
-        self._rejoining = False   # between generations: the rendezvous's waits are watched
+        self._forming = False   # the group forms: the rendezvous's rounds say it is not stuck
         self._store_heard = time.monotonic()   # the store last answered the watcher
+        self._liveness: threading.Thread | None = None   # _watch_store, for the group's life
+        self._liveness_stop = threading.Event()
         self._barriers: dict[str, int] = {}
         self._closed = False
         self._hang = HangWatchdog(options.hang_timeout_s) if options.hang_timeout_s else None
@@ -300,12 +304,7 @@ class DistributedGroup:
         logger.warning("%s: generation %d ended (%s); re-forming the process group",
                        self.replica_name, self.generation, reason)
         self._teardown(self.replica_name)
-        if self._hang is not None:
-            # Waiting for peers to come back is no hang; a store call that never returns is.
-            self._rejoining = True
-            self._rdzv.tick()
-            self._hang.arm()
-            self._hang.phase("rendezvous")
+        self._watch_forming()   # before the probe below: it is a store call too
         # The watcher's lost store is not probed again (a 5 s wait on a dead socket).
         if self._store_lost or not self._store_alive():
             # torchrun's agents on several machines: the store may never come back.
@@ -319,13 +318,7 @@ class DistributedGroup:
         self._peer_lost.clear()
         self._peer_reason = ""
         self._store_lost = False
-        try:
-            self._form(self.generation + 1, f"{self.replica_name} saw: {reason}")
-        except BaseException:
-            if self._hang is not None:   # on its way out with the error: no hang to report
-                self._rejoining = False
-                self._hang.disarm()
-            raise
+        self._form(self.generation + 1, f"{self.replica_name} saw: {reason}")
         self.last_recovery_s = time.monotonic() - t0
         logger.warning("%s: process group re-formed at generation %d in %.1f s",
                        self.replica_name, self.generation, self.last_recovery_s)
@@ -343,6 +336,7 @@ class DistributedGroup:
             except Exception as exc:  # the store's host is gone: nobody is left to wait
                 logger.debug("could not say this rank left: %s", exc)
         self._stop_watcher()
+        self._liveness_stop.set()
         self._sigterm_guard.close()
         if self._hang is not None:
             self._hang.close()
@@ -375,6 +369,42 @@ class DistributedGroup:
             if self._hang is not None:  # a lone worker can hang too (I/O, a deadlock)
                 self._hang.arm()
             return
+        self._watch_forming()
+        try:
+            gen = self._join_and_connect(at_least, cause)
+        except BaseException:
+            self._forming = False
+            if self._hang is not None:   # on its way out with the error: no hang to report
+                self._hang.disarm()
+            raise
+        logger.info("%s: rank %d of %d joined generation %d (%s)", self.replica_name,
+                    self.rank, self.world_size, gen, self.backend)
+        if at_least == 0:
+            self._sigterm_guard.install()  # once, from init_distributed (the main thread)
+        self._forming = False
+        self._start_watcher(gen)
+        if self._hang is not None:
+            self._hang.arm()
+            self._hang.phase("step")
+
+    def _watch_forming(self) -> None:
+        """From now until the group has formed, each round of the rendezvous's waits says
+        that this process is not stuck in a store call: waiting for peers to come is no
+        hang, a store call that never returns (its host stopped) is. The hang watchdog
+        counts that silence ("rendezvous" phase), and without one _watch_store cuts it."""
+        self._forming = True
+        self._rdzv.tick()
+        self._start_store_liveness()
+        if self._hang is not None:
+            self._hang.listen(self._silent_peer)
+            self._hang.arm()
+            self._hang.phase("rendezvous")
+
+    def _join_and_connect(self, at_least: int, cause: str) -> int:
+        """Join the newest generation >= ``at_least`` and connect its process group."""
+        import torch.distributed as dist
+
+        timeout = datetime.timedelta(seconds=self.options.collective_timeout_s)
         deadline = time.monotonic() + self.options.join_timeout_s
         form_timeout = datetime.timedelta(seconds=min(self.options.form_timeout_s,
                                                       self.options.collective_timeout_s))
@@ -414,16 +444,7 @@ class DistributedGroup:
             # Barrier names count calls per generation: a restarted member counts from 0, so
             # the survivors must too (they met at 'eval.3' while it waited at 'eval.0').
             self._barriers = {}
-            break
-        logger.info("%s: rank %d of %d joined generation %d (%s)", self.replica_name,
-                    self.rank, self.world_size, gen, self.backend)
-        if at_least == 0:
-            self._sigterm_guard.install()  # once, from init_distributed (the main thread)
-        self._rejoining = False
-        self._start_watcher(gen)
-        if self._hang is not None:
-            self._hang.arm()
-            self._hang.phase("step")
+            return gen
 
     def _formation_broke(self, gen: int, exc: BaseException) -> bool:
         """Whether init failed because the generation's membership broke (retry) rather
@@ -510,15 +531,32 @@ class DistributedGroup:
         self._watcher = threading.Thread(target=self._watch, args=(gen, client, self._watch_stop),
                                          name="rt-peer-watcher", daemon=True)
         self._watcher.start()
-        if not self._rdzv.hosts_store and not agent_hosts_store():   # relayed: it can cut
-            threading.Thread(target=self._watch_store, args=(self._watcher, self._watch_stop),
-                             name="rt-store-liveness", daemon=True).start()
+
+    def _start_store_liveness(self) -> None:
+        """Once per process that reaches the store through relays of its own (not the
+        primary, not under torchrun's agent store): _watch_store can cut them."""
+        if (self._liveness is None and self.world_size > 1 and not self._rdzv.hosts_store
+                and not agent_hosts_store()):
+            self._liveness = threading.Thread(target=self._watch_store,
+                                              name="rt-store-liveness", daemon=True)
+            self._liveness.start()
+
+    def _store_heard_at(self) -> float | None:
+        """When the store last answered this process, as far as anything waits on it:
+        while the group forms, the rendezvous's last round; once formed, the watcher's last
+        answer; None when nothing waits on it (the watcher saw the generation end)."""
+        if self._forming:
+            return self._rdzv.alive
+        watcher = self._watcher
+        if watcher is None or not watcher.is_alive() or self._peer_lost.is_set():
+            return None
+        return self._store_heard
 
     def _silent_peer(self) -> tuple[str, float] | None:
         """What has been silent longest while this rank waits, in words, and since when:
         a peer, or the store (its host stopped: the watcher, or between generations the
         rendezvous, waits in a call that does not return)."""
-        if self._rejoining:
+        if self._forming:
             rank, since = None, self._rdzv.alive
         else:
             beats = self._beats
@@ -561,25 +599,29 @@ class DistributedGroup:
             self._leave_if_stuck(reason, stop)
             return
 
-    def _watch_store(self, watcher: threading.Thread, stop: threading.Event) -> None:
-        """The watcher's calls do not return when the store's host stopped (torch's client
-        waits for good, and the survivors' recovery with it): past STORE_SILENT_S without
-        an answer, cut this process's connections to the store. Every call on them fails
-        then, and the loss is handled as the store's (the primary's) is."""
+    def _watch_store(self) -> None:
+        """A store call does not return when the store's host stopped (torch's client waits
+        for good, and the rank's training, recovery or formation with it): past
+        STORE_SILENT_S without an answer, cut this process's connections to the store.
+        Every call on them fails then, and the loss is handled as the store's (the
+        primary's) is: re-forming, or forming, waits for it up to the join timeout."""
         pause = OwnPause(5.0)
-        while not stop.wait(1.0) and watcher.is_alive():   # it returns once it flagged
+        counts_from = time.monotonic()   # after this process's own stop, or a cut
+        while not self._liveness_stop.wait(1.0):
             now = time.monotonic()
-            if pause.paused():   # the store's silence counts afresh from now
-                self._store_heard = max(self._store_heard, now)
-            silent = now - self._store_heard
-            if silent >= STORE_SILENT_S and not stop.is_set():
+            heard = self._store_heard_at()
+            if pause.paused() or heard is None:
+                counts_from = now
+                continue
+            silent = now - max(heard, counts_from)
+            if silent >= STORE_SILENT_S:
                 logger.warning(
                     "%s: the rendezvous store at %s:%s (on %s) has not answered for %.0f s: "
                     "its host stopped, froze or is cut off; closing this process's "
                     "connections to it", self.replica_name, self.info.master_addr,
-                    self.info.master_port, self.name_of(0), silent)
+                    self.info.master_port, self.name_of(0), math.floor(silent))
                 self._rdzv.cut()
-                return
+                counts_from = now
 
     def _heartbeat(self, beats: PeerBeats, store: Any) -> None:
         """Beat; and while this rank waits outside a step, look at the peers' beats."""

@@ -216,8 +216,10 @@ class Rendezvous:
 
     def cut(self) -> None:
         """End this process's connections to the store now (from any thread): a call
-        waiting on a store that does not answer fails at once."""
-        self._relays.close(timeout_s=1.0)
+        waiting on a store that does not answer fails at once, and the next connection
+        is a fresh one."""
+        cut, self._relays = self._relays, storeauth.Relays()
+        cut.close(timeout_s=1.0)
 
     def tick(self) -> None:
         """This process's rendezvous is not stuck in a store call (``alive``)."""

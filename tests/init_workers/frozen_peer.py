@@ -15,12 +15,17 @@ stops itself; rank 1 fails in the all-reduce and re-forms the group, where torch
 client waits for good on the stopped primary's store. Its watchdog must exit 134, naming
 the store, instead (it waited past the join timeout before).
 
+``MODE=forming``: the primary stops itself while the group first forms, once rank 1 has
+joined, so that rank 1 waits in a store call (gloo's connect) on a store that never
+answers: with a hang timeout it must exit 134 naming the store, without one its
+connections to the store are cut and the formation fails within the join timeout.
+
 ``HANG_S=0``: no hang watchdog. ``STORE_SILENT_S``, ``LOST_PEER_STALL_S``: the library's
 bounds on a store that does not answer and on a thread held after the cut (60 s and 30 s
 there; the same mechanism, only slower to test).
 
 Environment: RANK, WORLD_SIZE (2; 3 for reform), MASTER_ADDR, MASTER_PORT (torchrun style),
-MODE, HANG_S, FROZEN.
+MODE, HANG_S, FROZEN, JOIN_S (the join timeout, 20 s).
 """
 
 from __future__ import annotations
@@ -40,8 +45,22 @@ for bound in ("STORE_SILENT_S", "LOST_PEER_STALL_S"):
         setattr(group_module, bound, float(os.environ[bound]))
 hang_s = float(os.environ["HANG_S"])
 mode = os.environ["MODE"]
+if mode == "forming" and os.environ["RANK"] == "0":
+    from resilient_train.distributed.rendezvous import Rendezvous
+
+    wait_members = Rendezvous._wait_members
+
+    def stop_once_joined(self: Rendezvous, gen: int, deadline: float) -> bool:
+        while not self.store.check([self.key("g", gen, "member", 1)]):
+            time.sleep(0.05)
+        os.kill(os.getpid(), signal.SIGSTOP)
+        return wait_members(self, gen, deadline)
+
+    Rendezvous._wait_members = stop_once_joined  # type: ignore[method-assign]
+
 group = rt.init_distributed(rt.DistributedOptions(
-    join_timeout_s=20, collective_timeout_s=120, hang_timeout_s=hang_s or None))
+    join_timeout_s=float(os.environ.get("JOIN_S", 20)), collective_timeout_s=120,
+    hang_timeout_s=hang_s or None))
 
 
 def reform() -> None:
