@@ -201,7 +201,7 @@ class TwoRanks:
 def test_multi_rank_uses_the_slowest_ranks_cost(tmp_path: Path) -> None:
     spy = Spy(every_n_steps(10**9), [])
     # The peer's clock, stride, SIGTERM (-1: none), save cost, MTBF, tier write times.
-    coord = TwoRanks([0, 1, -1, -1, -1, -1, -1])        # the peer has not saved yet
+    coord = TwoRanks([0, 1, -1, -1, -1, -1, -1, 0])        # the peer has not saved yet
     with CheckpointManager(tmp_path / "c", options=CheckpointOptions(
             policy=spy, max_interval_s=None),               # mgr.policy: the spy itself
             coordinator=coord) as mgr:                      # type: ignore[arg-type]
@@ -209,11 +209,11 @@ def test_multi_rank_uses_the_slowest_ranks_cost(tmp_path: Path) -> None:
         mgr.maybe_save(1)
         assert spy.seen[-1].save_cost_s is None
         mgr.scheduler.save_cost = 0.25                      # as if this rank had saved
-        coord.theirs = [0, 1, -1, 1_500_000, -1, -1, -1]   # the peer: 1.5 s
+        coord.theirs = [0, 1, -1, 1_500_000, -1, -1, -1, 0]   # the peer: 1.5 s
         mgr.scheduler.next_sync_step = 0
         mgr.maybe_save(2)
         assert spy.seen[-1].save_cost_s == 1.5
-        coord.theirs = [0, 1, -1, 100_000, -1, -1, -1]
+        coord.theirs = [0, 1, -1, 100_000, -1, -1, -1, 0]
         mgr.scheduler.next_sync_step = 0
         mgr.maybe_save(3)
         assert spy.seen[-1].save_cost_s == 0.25
@@ -252,7 +252,7 @@ def test_the_primarys_observed_mtbf_reaches_every_ranks_policy(
     log_file = tmp_path / "failures.json"
     monkeypatch.setenv(FAILURES_ENV, str(log_file))
     spy = Spy(every_n_steps(10**9), [])
-    coord = TwoRanks([0, 1, -1, -1, -1, -1, -1])
+    coord = TwoRanks([0, 1, -1, -1, -1, -1, -1, 0])
     with CheckpointManager(tmp_path / "c", options=CheckpointOptions(
             policy=spy, max_interval_s=None),               # mgr.policy: the spy itself
             coordinator=coord) as mgr:                      # type: ignore[arg-type]

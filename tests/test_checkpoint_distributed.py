@@ -134,6 +134,21 @@ def flip_byte(path: Path) -> None:
     path.write_bytes(bytes(data))
 
 
+def test_one_ranks_full_node_local_disk_sends_every_ranks_saves_to_storage(
+        tmp_path: Path) -> None:
+    ckpt, out = tmp_path / "ckpt", tmp_path / "out"
+    run("local_tier_full", 2, ckpt, out)
+    committed = sorted(int(d.name.split("-")[1]) for d in ckpt.glob("step-*")
+                       if (d / "COMMITTED").exists())
+    # Step 1 is decided before rank 1's failure; 2-4 go to storage (4's node-local write
+    # works again), then the 5th save after 4.
+    assert committed == [2, 3, 4, 9], committed
+    text = logs(out, "local_tier_full", 2)
+    assert "node-local checkpoint of step 1 in" in text and \
+        "every save goes to storage too" in text, text
+    assert "node-local checkpoint of step 4 in" in text and "after 3 failed save(s)" in text
+
+
 def test_replicated_layout_two_ranks(tmp_path: Path) -> None:
     ckpt, out = tmp_path / "ckpt", tmp_path / "out"
     saved = run("replicated_save", 2, ckpt, out)

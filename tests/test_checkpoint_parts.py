@@ -248,7 +248,7 @@ class _Peer:
 
 def test_multi_rank_the_ranks_agree_on_the_clock_a_sigterm_and_the_cost() -> None:
     # The peer: a save costs it 3 s; it wrote the node-local tier in 0.5 s, storage in 20 s.
-    peer = _Peer([0, 1, -1, 3_000_000, -1, 500, 20_000])
+    peer = _Peer([0, 1, -1, 3_000_000, -1, 500, 20_000, 0])
     t = [50.0]
     s = _scheduler(_Seen(every_n_steps(10**9)), t, coord=peer)
     assert len(peer.broadcasts) == 2           # the policy, then the primary's clock
@@ -256,7 +256,12 @@ def test_multi_rank_the_ranks_agree_on_the_clock_a_sigterm_and_the_cost() -> Non
     ctx = s.policy.seen[-1]                    # type: ignore[attr-defined]
     assert (ctx.now, ctx.save_cost_s) == (50.0, 3.0)
     assert s.shared_tier_s == (0.5, 20.0)      # the slowest rank's writes: the cadence's
-    peer.theirs = [0, 1, 4000, -1, -1, -1, -1]  # the peer got a SIGTERM 4 s ago
+    assert not s.shared_local_failing
+    peer.theirs = [0, 1, -1, -1, -1, -1, -1, 1]  # the peer's node-local save failed
+    s.next_sync_step = 0
+    s.decide(2)
+    assert s.shared_local_failing              # every save to storage too, on every rank
+    peer.theirs = [0, 1, 4000, -1, -1, -1, -1, 0]  # the peer got a SIGTERM 4 s ago
     s.next_sync_step = 0
     assert s.decide(2) is Decision.EMERGENCY
     assert s.sigterm_elapsed_s == 4.0          # every rank plans for the earliest SIGTERM

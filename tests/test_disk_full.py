@@ -437,3 +437,49 @@ def test_a_commit_that_does_not_fit_removes_the_step_too(tmp_path: Path,
         monkeypatch.undo()
         mgr.save(2)
     _assert_clean(ckpt, [2])
+
+
+def test_a_full_node_local_disk_sends_every_save_to_storage_until_it_has_room(
+        disk: Disk, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    # Before, each node-local save on a full disk printed the same long warning and the
+    # saves that the cadence kept off storage (4 in 5 here) went nowhere: the job ran
+    # unprotected for as long as the disk stayed full, with a fix that named the wrong
+    # option (RetentionPolicy.keep_last).
+    from resilient_train.checkpoint.nodelocal import NodeLocal
+    from resilient_train.checkpoint.nodelocal import log as local_log
+
+    ballast = disk.ballast("other-data.bin", 16 * MiB)   # 4 MiB free: 6 MiB do not fit
+    persistent = tmp_path / "persistent"
+    model = _model(0)
+    options = CheckpointOptions(async_save=False, save_every_steps=1,
+                                retention=RetentionPolicy(keep_last=20),
+                                node_local=NodeLocal(directory=str(disk.root / "local"),
+                                                     persistent_every=5))
+    with caplog.at_level(logging.INFO, logger=local_log.name), \
+            CheckpointManager(str(persistent), options=options) as mgr:
+        mgr.track(model=model)
+        for step in range(1, 5):
+            assert mgr.maybe_save(step)
+        # Step 1 was the machine's only, and failed; from then on storage takes each save.
+        assert _committed(persistent) == [2, 3, 4]
+        said = [r for r in caplog.records if r.levelno >= logging.WARNING]
+        assert len(said) == 1, [r.getMessage() for r in said]
+        msg = said[0].getMessage()
+        assert msg.startswith(f"node-local checkpoint of step 1 in {disk.root / 'local'} "
+                              "failed: no space left: this save needs about 6.0 MiB"), msg
+        assert "NodeLocal.keep_last=1" in msg and "NodeLocal(directory=...)" in msg, msg
+        assert "every save goes to storage too" in msg
+        assert "RetentionPolicy" not in msg
+        assert sum("failed again (" in r.getMessage() for r in caplog.records) == 3
+        caplog.clear()
+        ballast.unlink()
+        for step in range(5, 12):
+            assert mgr.maybe_save(step)
+        # Step 5 is decided before its node-local write works: storage too; then the
+        # cadence again, every 5th save.
+        assert _committed(persistent) == [2, 3, 4, 5, 10]
+        assert _committed(disk.root / "local") == [11]
+        said = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+        assert said == [f"node-local checkpoint of step 5 in {disk.root / 'local'} committed, "
+                        "after 4 failed save(s): storage again takes only the saves that "
+                        "NodeLocal.persistent_every asks for"], said

@@ -495,8 +495,8 @@ class CheckpointManager:
     def _persistent_due(self) -> bool:
         """Whether a save by policy goes to the persistent tier as well as the node-local
         one (always, without a node-local tier)."""
-        if self._cadence is None:
-            return True
+        if self._cadence is None or self.scheduler.shared_local_failing:
+            return True   # a machine's disk failed its last save: every save to storage too
         sched = self.scheduler
         mtbf = self._mtbf if sched.shared_mtbf is None else (sched.shared_mtbf, "observed")
         return self._cadence.due(*sched.shared_tier_s, sched.policy_interval, mtbf)
@@ -800,21 +800,19 @@ class CheckpointManager:
     def _write_tiers(self, step: int, snap: dict[str, Any], local: bool,
                      persistent: bool) -> None:
         """The node-local copy first (fast, and what a restart in place reads), then the
-        persistent one. A node-local failure only warns: the persistent tier still holds
-        every step it committed, and the next save tries the machine's disk again."""
+        persistent one. A node-local failure only warns (LocalTier.save): the persistent
+        tier still holds every step it committed, takes every save until the machine's
+        disk works again, and the next save tries that disk again."""
         if "dcp" in snap and self._peers:
             self._copy_shards(step, snap)   # memory first: the fastest tier
         if local:
             assert self._local is not None
-            try:
-                self._snapshot.wait()   # its deferred copies (an overlapped snapshot)
-                t0 = time.perf_counter()
-                self._local.write(step, snap, self._partner_copy(step))
+            self._snapshot.wait()   # its deferred copies (an overlapped snapshot)
+            t0 = time.perf_counter()
+            if self._local.save(step, snap, self._partner_copy(step)):
                 self.scheduler.wrote(0, time.perf_counter() - t0)
                 self._local_step = step
-            except Exception as exc:
-                log.warning("node-local checkpoint of step %d in %s failed: %s", step,
-                            self._local.url, exc)
+            self.scheduler.local_failing(bool(self._local.failing))
         if persistent:
             if not self.is_primary:
                 snap = {k: v for k, v in snap.items() if k != "shared"}   # the primary's

@@ -59,8 +59,9 @@ from .policy import daly_interval
 from .recovery_plan import Plan, Report, dumps_rank_state
 from .retention import RetentionPolicy
 from .sharded import ShardedCheckpointer
-from .storage import RetryOptions, Storage
-from .writer import StepWriter, write_torch_file
+from .storage import RetryOptions, Storage, format_bytes
+from .storage_errors import StorageFullError
+from .writer import StepWriter, state_bytes, write_torch_file
 
 log = logging.getLogger(__name__)
 
@@ -206,6 +207,10 @@ class LocalTier:
                                  files_atomic=self.committer.files_atomic)
         self._token = token
         self.read_bytes = 0
+        # Saves failed in a row (a full or broken disk), and the kind of the last failure:
+        # the first warns, the rest are counted until one works again (saved()).
+        self.failing = 0
+        self._failure_kind = ""
 
     @property
     def url(self) -> str:
@@ -233,6 +238,45 @@ class LocalTier:
                 raise
         prune(self.storage, RetentionPolicy(keep_last=self.options.keep_last),
               protect=self._token)
+
+    def save(self, step: int, snap: Mapping[str, Any],
+             partner: tuple[int, dict[str, Any]] | None = None) -> bool:
+        """:meth:`write`, and whether it committed. A failure only warns: the scheduler
+        then sends every save to the persistent tier too until a node-local one works
+        again, so a full or broken disk never leaves the job with fewer checkpoints."""
+        try:
+            self.write(step, snap, partner)
+        except Exception as exc:
+            self._failed(step, exc, snap)
+            return False
+        if self.failing:
+            log.warning("node-local checkpoint of step %d in %s committed, after %d failed "
+                        "save(s): storage again takes only the saves that "
+                        "NodeLocal.persistent_every asks for", step, self.url, self.failing)
+        self.failing, self._failure_kind = 0, ""
+        return True
+
+    def _failed(self, step: int, exc: Exception, snap: Mapping[str, Any]) -> None:
+        self.failing += 1
+        full = isinstance(exc, StorageFullError)
+        kind = "full" if full else f"{type(exc).__name__}: {exc}"
+        if kind == self._failure_kind:   # said already: one line per kind, not per save
+            log.info("node-local checkpoint of step %d in %s failed again (%d in a row): %s",
+                     step, self.url, self.failing, exc)
+            return
+        self._failure_kind = kind
+        if full:
+            assert isinstance(exc, StorageFullError)
+            keep = self.options.keep_last
+            why = (f"no space left: this save needs about {format_bytes(state_bytes(snap))} "
+                   f"and {format_bytes(exc.free_bytes)} is free there (the tier keeps "
+                   f"NodeLocal.keep_last={keep} committed step(s) beside the one being "
+                   f"written). Give NodeLocal(directory=...) a disk with room for "
+                   f"{keep + 1} saves, or free space there")
+        else:
+            why = str(exc)
+        log.warning("node-local checkpoint of step %d in %s failed: %s. Until a node-local "
+                    "save works again, every save goes to storage too", step, self.url, why)
 
     def report(self, persistent: int | None) -> Report:
         """What this machine holds, for the plan: its committed steps no older than the

@@ -113,6 +113,10 @@ class SaveScheduler:
         # the time between two saves on the agreed clock.
         self._tier_s: list[float | None] = [None, None]     # node-local, persistent
         self.shared_tier_s: tuple[float | None, float | None] = (None, None)
+        # This rank's last node-local save failed (a full disk); agreed: any rank's did,
+        # and every save goes to the persistent tier too until it works again.
+        self._local_failing = False
+        self.shared_local_failing = False
         self.save_interval: float | None = None
         self.next_sync_step = 0          # the step of the next agreement (0: the next one)
         self._step_time = 0.0
@@ -152,6 +156,7 @@ class SaveScheduler:
             emergency = self.watch.received
             self.sigterm_elapsed_s = self.watch.elapsed() or 0.0
             self.shared_tier_s = (self._tier_s[0], self._tier_s[1])
+            self.shared_local_failing = self._local_failing
             cost = self.save_cost
             if now >= self._next_mtbf_read:   # a stat() per second, not per step
                 self._next_mtbf_read = now + self.sync_interval_s
@@ -185,8 +190,10 @@ class SaveScheduler:
         elapsed = self.watch.elapsed()
         my_sigterm = -1 if elapsed is None else int(elapsed * 1000)
         my_tiers = [-1 if t is None else int(t * 1000) for t in self._tier_s]
-        now_ms, stride, sigterm_ms, cost_us, mtbf_ms, local_ms, persistent_ms = \
-            self.coord.allreduce_max([my_now, stride, my_sigterm, my_cost, my_mtbf, *my_tiers])
+        now_ms, stride, sigterm_ms, cost_us, mtbf_ms, local_ms, persistent_ms, failing = \
+            self.coord.allreduce_max([my_now, stride, my_sigterm, my_cost, my_mtbf, *my_tiers,
+                                      int(self._local_failing)])
+        self.shared_local_failing = bool(failing)
         self.shared_tier_s = tuple(None if t < 0 else t / 1000.0   # type: ignore[assignment]
                                    for t in (local_ms, persistent_ms))
         self.sigterm_elapsed_s = max(0, sigterm_ms) / 1000.0
@@ -225,6 +232,10 @@ class SaveScheduler:
         """The writer thread wrote a step to ``tier`` (0: node-local, 1: persistent)."""
         old = self._tier_s[tier]
         self._tier_s[tier] = seconds if old is None else 0.7 * old + 0.3 * seconds
+
+    def local_failing(self, failing: bool) -> None:
+        """The writer thread's last node-local save failed (True) or committed."""
+        self._local_failing = failing
 
     def measured(self, cost_s: float) -> None:
         """What the save just taken blocked the training loop for."""

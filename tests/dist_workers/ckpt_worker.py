@@ -422,12 +422,44 @@ def sharded_gcs(ckpt: str, coord: Coordinator) -> dict[str, Any]:
     return {"saved": saved, "restored": {"step": restored_step, **full_state(model, opt)}}
 
 
+def local_tier_full(ckpt: str, coord: Coordinator) -> dict[str, Any]:
+    """Rank 1's node-local disk is full for its saves of steps 1-3 (its tier's write
+    raises what a full disk does): from the agreement after its failure on, every rank
+    sends each save to storage too, together (a rank alone would leave the commit
+    waiting), until its disk works again; then every 5th."""
+    from resilient_train.checkpoint.nodelocal import LocalTier, NodeLocal
+    from resilient_train.checkpoint.retention import RetentionPolicy
+    from resilient_train.checkpoint.storage import StorageFullError
+
+    real = LocalTier.write
+
+    def write(self: LocalTier, step: int, *args: Any) -> None:
+        if RANK == 1 and step <= 3:
+            raise StorageFullError("no space left on the device", free_bytes=0)
+        real(self, step, *args)
+
+    LocalTier.write = write  # type: ignore[method-assign]
+    model, wrapped, opt = ddp_model(0)
+    # An agreement at every step (sync_interval_s): the steps here take microseconds.
+    mgr = CheckpointManager(ckpt, coordinator=coord, options=CheckpointOptions(
+        save_every_steps=1, async_save=False, sync_interval_s=1e-6,
+        retention=RetentionPolicy(keep_last=20),
+        node_local=NodeLocal(directory=os.path.join(ckpt, f"local{RANK}"), persistent_every=5)))
+    mgr.track(model=model, optimizer=opt)
+    for step in range(1, 11):
+        train_step(wrapped, opt)
+        assert mgr.maybe_save(step)
+    mgr.close()
+    return {"done": 10}
+
+
 SCENARIOS: dict[str, Callable[[str, Coordinator], dict[str, Any]]] = {
     "sharded_gcs": sharded_gcs,
     "corrupt_gcs": corrupt_gcs,
     "replicated_save": replicated_save,
     "replicated_restore": replicated_restore,
     "full_disk": full_disk,
+    "local_tier_full": local_tier_full,
     "corrupt": corrupt,
     "timed_saves": timed_saves,
     "auto_saves": auto_saves,
