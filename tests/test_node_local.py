@@ -108,6 +108,24 @@ def test_storage_newer_than_the_machine_wins(tmp_path: Path) -> None:
     assert (mgr.last_restore.step, mgr.last_restore.source) == (9, "persistent")
 
 
+def test_a_node_local_directory_that_cannot_be_written_fails_at_start(
+        tmp_path: Path) -> None:
+    # Before: the manager started, and each save warned that the tier failed, for the
+    # whole run (a typo, or a local SSD that is not mounted), while the cadence kept most
+    # saves off storage.
+    (tmp_path / "a-file").write_text("not a directory")
+    for where, why in ((tmp_path / "a-file" / "ckpt", f"{tmp_path / 'a-file'} is a file"),
+                       (Path("/proc/no-such-dir/ckpt"), "a directory on its path cannot "
+                                                        "be created there")):
+        with pytest.raises(ValueError) as info:
+            rt.CheckpointManager(tmp_path / "persistent", options=rt.CheckpointOptions(
+                node_local=rt.NodeLocal(directory=str(where))))
+        msg = str(info.value)
+        assert msg.startswith(f"cannot use {where} for the node-local tier: "), msg
+        assert why in msg, msg
+        assert "Give NodeLocal(directory=...) a path on this machine's own disk" in msg
+
+
 def test_node_local_options_say_what_is_wrong() -> None:
     with pytest.raises(ValueError, match="is a URL"):
         rt.NodeLocal(directory="gs://bucket/local")

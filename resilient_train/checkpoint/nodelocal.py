@@ -60,7 +60,7 @@ from .recovery_plan import Plan, Report, dumps_rank_state
 from .retention import RetentionPolicy
 from .sharded import ShardedCheckpointer
 from .storage import RetryOptions, Storage, format_bytes
-from .storage_errors import StorageFullError
+from .storage_errors import StorageError, StorageFullError
 from .writer import StepWriter, state_bytes, write_torch_file
 
 log = logging.getLogger(__name__)
@@ -202,6 +202,15 @@ class LocalTier:
         if not self.storage.is_local:
             raise ValueError(f"the node-local tier {self.storage.url} is not on a local disk")
         remove_crashed_saves(self.storage)   # only this rank writes here
+        try:   # a typo or a disk that is not mounted fails now, not as a warning per save
+            self.storage.check_writable()
+        except StorageFullError:
+            pass   # full now, maybe not later: each save says so and storage takes it
+        except StorageError as exc:
+            raise ValueError(
+                f"cannot use {self.storage.url} for the node-local tier: {exc}. Give "
+                f"NodeLocal(directory=...) a path on this machine's own disk that this "
+                f"process can write (a local SSD's mount, /dev/shm/...)") from exc
         self.committer = committer_for(self.storage, token)
         self.writer = StepWriter(self.storage, sharded, rank=rank,
                                  files_atomic=self.committer.files_atomic)
@@ -259,7 +268,7 @@ class LocalTier:
     def _failed(self, step: int, exc: Exception, snap: Mapping[str, Any]) -> None:
         self.failing += 1
         full = isinstance(exc, StorageFullError)
-        kind = "full" if full else f"{type(exc).__name__}: {exc}"
+        kind = type(exc).__name__ + "/" + type(exc.__cause__ or exc).__name__
         if kind == self._failure_kind:   # said already: one line per kind, not per save
             log.info("node-local checkpoint of step %d in %s failed again (%d in a row): %s",
                      step, self.url, self.failing, exc)

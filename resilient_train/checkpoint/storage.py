@@ -759,6 +759,9 @@ class LocalStorage(Storage):
         return os.path.join(self._root, rel)
 
     def _not_found_message(self, op: str, url: str, what: str) -> str:
+        if op in ("write", "check_writable"):   # its directories could not be created
+            return (f"{op} {url}: no such file or directory ({what}): a directory on its "
+                    f"path cannot be created there; check the path")
         return (f"{op} {url}: no such file or directory ({what}). It was never written "
                 f"or was deleted; check the checkpoint directory")
 
