@@ -4,7 +4,10 @@ get, from its own disk or a neighbour's, else from storage. Real files, real pro
 
 from __future__ import annotations
 
+import logging
+import re
 import shutil
+import threading
 from pathlib import Path
 
 import pytest
@@ -124,6 +127,52 @@ def test_a_node_local_directory_that_cannot_be_written_fails_at_start(
         assert msg.startswith(f"cannot use {where} for the node-local tier: "), msg
         assert why in msg, msg
         assert "Give NodeLocal(directory=...) a path on this machine's own disk" in msg
+
+
+def test_a_long_restore_from_the_machines_disk_says_how_far_it_has_got(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        caplog: pytest.LogCaptureFixture) -> None:
+    # The node-local read was one checksum call over the whole memory map: tens of GB
+    # with no line at all. It goes by chunks now, counted as any storage read is; the
+    # checksum is held after its first chunk until a progress line has been logged.
+    from resilient_train.checkpoint import loader as loader_mod
+    from resilient_train.checkpoint import progress as progress_mod
+    from resilient_train.checkpoint.storage import format_bytes
+
+    train(tmp_path, 7)
+    monkeypatch.setattr(progress_mod, "AFTER_S", 0.05)
+    monkeypatch.setattr(progress_mod, "EVERY_S", 0.05)
+    monkeypatch.setattr(loader_mod, "VERIFY_CHUNK", 64)
+    seen = threading.Event()
+
+    class Shown(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            if " of " in record.getMessage() and "reading step 7" in record.getMessage():
+                seen.set()
+
+    class HeldCrc(loader_mod.Crc32c):   # type: ignore[misc, name-defined]
+        def update(self, data: object) -> None:
+            if self.size:   # after the first chunk
+                assert seen.wait(30), "no progress line while the read was held"
+            super().update(data)   # type: ignore[arg-type]
+
+    monkeypatch.setattr(loader_mod, "Crc32c", HeldCrc)
+    shown = Shown()
+    logging.getLogger("resilient_train").addHandler(shown)
+    caplog.set_level(logging.INFO, logger="resilient_train.checkpoint.nodelocal")
+    try:
+        mgr = train(tmp_path, 0)
+    finally:
+        logging.getLogger("resilient_train").removeHandler(shown)
+    assert mgr.last_restore is not None and mgr.last_restore.source == "node-local"
+    lines = [r.getMessage() for r in caplog.records
+             if r.getMessage().startswith("rank 0: reading step 7 from ")]
+    total = sum(p.stat().st_size for p in (tmp_path / "local").glob("step-*/*.pt"))
+    head = rf"rank 0: reading step 7 from {tmp_path / 'local'}/step-0+7\S*: "
+    size = re.escape(format_bytes(total))
+    part = re.fullmatch(head + rf"([0-9]+) B of {size} \(([0-9]+)%, .*/s\)", lines[0])
+    assert part and 0 < int(part.group(1)) < total, (lines, total)
+    assert re.fullmatch(head + rf"done, {size} in [0-9]+ s \(.*/s\)", lines[-1]), lines
 
 
 def test_node_local_options_say_what_is_wrong() -> None:

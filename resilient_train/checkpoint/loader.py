@@ -30,16 +30,24 @@ from .manifest import (
 from .state import weights_only_refusal
 from .storage import Storage
 
+# A local file is checksummed this much at a time: the pages it faults in are the read, and
+# each chunk counts towards the storage's bytes moved (a progress line of a large restore).
+VERIFY_CHUNK = 64 << 20
 
-def _verify_local_file(path: str, entry: FileEntry, where: str) -> None:
+
+def _verify_local_file(path: str, entry: FileEntry, where: str, storage: Storage) -> None:
     """Checksum a local file through a memory map: no copy, and the pages it faults in
     are the ones torch.load(mmap=True) then uses."""
     crc = Crc32c()
     try:
         with open(path, "rb") as f:
             if os.fstat(f.fileno()).st_size:
-                with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mm:
-                    crc.update(mm)
+                with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mm, \
+                        memoryview(mm) as view:
+                    for start in range(0, len(view), VERIFY_CHUNK):
+                        with view[start:start + VERIFY_CHUNK] as chunk:
+                            crc.update(chunk)
+                            storage.count_moved(len(chunk))
     except FileNotFoundError:
         raise CorruptCheckpointError(f"{where}: missing") from None
     check_entry(crc.entry(), entry, where)
@@ -55,7 +63,7 @@ def load_verified(storage: Storage, name: str, fname: str, manifest: Manifest) -
     entry = manifest_entry(manifest, fname, where)
     path = storage.local_path(rel)
     if path is not None:
-        _verify_local_file(path, entry, where)
+        _verify_local_file(path, entry, where, storage)
         return _weights_only(
             lambda: torch.load(path, map_location="cpu", weights_only=True, mmap=True), where)
     buf = file_buffer(entry.size)

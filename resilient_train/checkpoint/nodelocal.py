@@ -56,6 +56,7 @@ from .directory import (
 from .loader import load_verified
 from .manifest import CheckpointError, CorruptCheckpointError, Manifest
 from .policy import daly_interval
+from .progress import Progress
 from .recovery_plan import Plan, Report, dumps_rank_state
 from .retention import RetentionPolicy
 from .sharded import ShardedCheckpointer
@@ -330,13 +331,20 @@ class LocalTier:
             self.read_bytes += manifest.files[fname].size
             return load_verified(self.storage, name, fname, manifest)
 
-        shared = load(SHARED_FILE) if gives_shared else None
-        states: dict[tuple[int, bool], bytes] = {}
-        for owner, giver in the_plan.rank_source.items():
-            if giver == self.rank:
-                own = owner == self.rank
-                tree = load(rank_file(owner) if own else partner_file(owner))
-                states[(owner, own)] = dumps_rank_state(tree)
+        files = ([SHARED_FILE] if gives_shared else []) + [
+            rank_file(owner) if owner == self.rank else partner_file(owner)
+            for owner, giver in the_plan.rank_source.items() if giver == self.rank]
+        # Tens of GB from a local disk take a while too: the same lines as any restore.
+        with Progress(f"rank {self.rank}: reading step {step} from {self.storage.url_of(name)}",
+                      lambda: self.storage.bytes_moved, log=log,
+                      total=sum(manifest.files[f].size for f in files)):
+            shared = load(SHARED_FILE) if gives_shared else None
+            states: dict[tuple[int, bool], bytes] = {}
+            for owner, giver in the_plan.rank_source.items():
+                if giver == self.rank:
+                    own = owner == self.rank
+                    tree = load(rank_file(owner) if own else partner_file(owner))
+                    states[(owner, own)] = dumps_rank_state(tree)
         return LocalHoldings(step, shared, states, manifest.created)
 
 

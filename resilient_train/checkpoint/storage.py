@@ -579,9 +579,7 @@ class Storage:
             if translated is exc:
                 raise
             raise translated from exc
-        if nbytes:
-            with self._moved_lock:
-                self._moved += nbytes
+        self.count_moved(nbytes)
         return out
 
     @property
@@ -589,6 +587,13 @@ class Storage:
         """Bytes of the reads and writes done so far (each part of a parallel transfer as
         it lands): what a progress line counts."""
         return self._moved
+
+    def count_moved(self, nbytes: int) -> None:
+        """``nbytes`` more were read or written (a read through a local path's memory map
+        counts here too)."""
+        if nbytes:
+            with self._moved_lock:
+                self._moved += nbytes
 
     def _translate(self, exc: Exception, op: str, rel: str, attempts: int,
                    elapsed: float, *, since: float | None = None) -> Exception:
