@@ -713,6 +713,54 @@ def test_without_a_hang_timeout_forming_on_a_stopped_store_fails_within_the_join
     assert "hang:" not in err
 
 
+def _rank_1_facing_a_silent_port(hang_s: float, **bounds: float) -> tuple[int, str, float]:
+    """Rank 1 alone, its primary's port held by a socket that the kernel accepts
+    connections on and nobody answers (a stopped process's, as SIGSTOP leaves it):
+    (exit status, stderr, seconds)."""
+    with socket.socket() as lst:
+        lst.bind(("127.0.0.1", 0))
+        lst.listen(128)
+        env = dict(os.environ, RANK="1", WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
+                   MASTER_PORT=str(lst.getsockname()[1]), GLOO_SOCKET_IFNAME="lo",
+                   OMP_NUM_THREADS="1", MODE="frozen", HANG_S=str(hang_s), JOIN_S="60",
+                   **{k: str(v) for k, v in bounds.items()})
+        for var in ("CLUSTER_SPEC", "TF_CONFIG", "TORCHELASTIC_USE_AGENT_STORE"):
+            env.pop(var, None)
+        t0 = time.monotonic()
+        done = subprocess.run([sys.executable, str(FROZEN_PEER)], env=env, text=True,
+                              capture_output=True, timeout=120)
+        return done.returncode, done.stderr, time.monotonic() - t0
+
+
+@pytest.mark.slow
+def test_a_primary_whose_port_accepts_but_never_answers_is_a_hang_not_a_late_start(
+        ) -> None:
+    # A connect attempt that reached the port and got no greeting ticked the rendezvous
+    # like a refused one (a primary not up yet): the rank waited out the join timeout
+    # (60 s here), the hang watchdog none the wiser (measured: exit 1 at 42 s of a 40 s
+    # join timeout, with an 8 s hang timeout).
+    code, err, took = _rank_1_facing_a_silent_port(6.0)
+    assert code == 134, err[-3000:]
+    assert re.search(r"the primary workerpool0-0 at 127\.0\.0\.1:\d+ accepts connections but "
+                     r"its store does not answer \(.* sent no greeting within 5 s\): stopped "
+                     r"or frozen\?", err), err[-3000:]
+    assert re.search(r"hang: the rendezvous store at 127\.0\.0\.1:\d+, on workerpool0-0, did "
+                     r"not answer for \d+ s while this rank waited in its rendezvous", err)
+    assert took < 45, took
+
+
+@pytest.mark.slow
+def test_without_a_hang_timeout_a_port_that_never_answers_is_left_before_the_join_timeout(
+        ) -> None:
+    code, err, took = _rank_1_facing_a_silent_port(0, STORE_SILENT_S=3)
+    assert code not in (0, 134), err[-3000:]   # a bare script: the error's own exit
+    assert re.search(r"PrimaryUnreachableError: the primary workerpool0-0 at 127\.0\.0\.1:\d+ "
+                     r"has accepted connections without answering any for \d+ s: its process "
+                     r"is stopped or frozen, or another program holds the port", err), err[-3000:]
+    assert took < 45, took   # the join timeout is 60 s
+    assert "hang:" not in err
+
+
 @pytest.mark.slow
 def test_without_a_hang_timeout_a_stopped_primarys_store_is_cut_and_the_rank_leaves() -> None:
     # torch's store client waits for good on a store whose host stopped: without the hang

@@ -187,7 +187,7 @@ class DistributedGroup:
             host=info.master_addr, port=info.master_port, rank=info.rank,
             world_size=info.world_size, hosts_store=info.rank == 0 and not agent_store,
             namespace=namespace, name_of=self.name_of, join_timeout_s=options.join_timeout_s,
-            resolver=resolver)
+            resolver=resolver, silent_s=STORE_SILENT_S)
         self.generation = -1
         self.recoveries = 0
         self.last_recovery_s: float | None = None
@@ -546,7 +546,9 @@ class DistributedGroup:
         while the group forms, the rendezvous's last round; once formed, the watcher's last
         answer; None when nothing waits on it (the watcher saw the generation end)."""
         if self._forming:
-            return self._rdzv.alive
+            # Still connecting, nothing of ours to cut: the connect loop bounds a silent
+            # store itself (Rendezvous.silent_s).
+            return self._rdzv.alive if self._rdzv.store is not None else None
         watcher = self._watcher
         if watcher is None or not watcher.is_alive() or self._peer_lost.is_set():
             return None

@@ -27,6 +27,7 @@ from __future__ import annotations
 import datetime
 import errno
 import logging
+import math
 import socket
 import time
 import uuid
@@ -93,7 +94,7 @@ class Rendezvous:
     def __init__(self, *, host: str, port: int, rank: int, world_size: int, hosts_store: bool,
                  namespace: str, name_of: Callable[[int], str],
                  join_timeout_s: float, resolver: Resolver | None = None,
-                 poll_s: float = 0.1) -> None:
+                 poll_s: float = 0.1, silent_s: float = math.inf) -> None:
         self.host, self.port = host, port
         self.rank, self.world_size = rank, world_size
         self.hosts_store = hosts_store
@@ -107,6 +108,10 @@ class Rendezvous:
         # step of one): a wait whose store call never returns (its host stopped; torch's
         # client does not give up then) leaves it behind, for the hang watchdog.
         self.alive = time.monotonic()
+        # Connecting: since when the primary's port has accepted connections that its store
+        # never answered (a stopped or frozen process), and how long that may last.
+        self.silent_since: float | None = None
+        self.silent_s = silent_s
         self.epoch = ""
         self.store: Any = None
 
@@ -162,6 +167,7 @@ class Rendezvous:
             return
         what = f"the primary {self.name_of(0)}"
         start = last_log = time.monotonic()
+        self.silent_since = None
 
         def log_progress(state: RetryCallState) -> None:
             nonlocal last_log
@@ -228,13 +234,26 @@ class Rendezvous:
     def _connect_once(self, deadline: float, what: str) -> None:
         import torch.distributed as dist
 
-        self.tick()
+        if self.silent_since is None:   # else the store's silence goes on: no round ticks
+            self.tick()
         _leave_if_stopped(f"{what} at {self.host}:{self.port} to accept connections")
         kwargs: dict[str, Any] = {"resolver": self.resolver} if self.resolver else {}
         address = resolve(self.host, self.port, what=what, on_wait=self.tick,
                           deadline_s=max(0.0, deadline - time.monotonic()), **kwargs)
         remaining = deadline - time.monotonic()
-        host, port = self._open(address, min(1.0, max(remaining, 0.1)))
+        try:
+            host, port = self._open(address, min(1.0, max(remaining, 0.1)))
+        except storeauth.StoreSilentError as exc:
+            self._still_silent(what, exc)
+            raise
+        except TimeoutError as exc:   # after silence: the stopped process's backlog is full
+            if self.silent_since is not None:
+                self._still_silent(what, exc)
+            raise
+        except (ConnectionRefusedError, socket.gaierror):
+            self.silent_since = None   # nothing listens: not up yet, or restarting
+            raise
+        self.silent_since = None
         # Short attempts: torch's own retry inside one attempt backs off to seconds, which is
         # how long a worker would then lag behind a primary that is already up.
         store = dist.TCPStore(host, port, is_master=False,
@@ -249,6 +268,22 @@ class Rendezvous:
         self.epoch = store.get(self._key("epoch")).decode()
         store.set_timeout(_ms(max(remaining, 1.0)))
         self.store = store
+
+    def _still_silent(self, what: str, exc: BaseException) -> None:
+        """An attempt met a port that accepts connections and a store that never greets.
+        (A connect that timed out says nothing either way: a machine not up yet, or a
+        stopped process's full backlog.) Past ``silent_s`` of that, give up."""
+        now = time.monotonic()
+        if self.silent_since is None:
+            self.silent_since = now
+            logger.warning("%s at %s:%d accepts connections but its store does not answer "
+                           "(%s): stopped or frozen?", what, self.host, self.port, exc)
+        elif now - self.silent_since >= self.silent_s:
+            raise PrimaryUnreachableError(
+                f"{what} at {self.host}:{self.port} has accepted connections without "
+                f"answering any for {now - self.silent_since:.0f} s: its process is stopped "
+                f"or frozen, or another program holds the port; leaving so that the job is "
+                f"retried", missing=(0,)) from exc
 
     def _bind_addresses(self, deadline: float) -> list[str]:
         """The addresses of this machine that MASTER_ADDR names (never all interfaces)."""

@@ -90,6 +90,12 @@ class StoreAuthError(ConnectionError):
     since the port may be another job's until our primary takes it."""
 
 
+class StoreSilentError(TimeoutError):
+    """The store's port accepted a connection (its machine's kernel did) and the store
+    never greeted: its process is stopped or frozen, or another program holds the port.
+    Unlike a refused or timed-out connect, this is not a primary that is not up yet."""
+
+
 def agent_hosts_store(env: Mapping[str, str] | None = None) -> bool:
     """Whether torchrun's agent hosts the store (then there is no gate and no secret)."""
     env = os.environ if env is None else env
@@ -266,7 +272,12 @@ def _server_handshake(sock: socket.socket, secret: bytes) -> bool:
 
 def _client_handshake(sock: socket.socket, secret: bytes, where: str) -> None:
     deadline = time.monotonic() + HANDSHAKE_TIMEOUT_S
-    greeting = _recv_exact(sock, len(GREETING) + NONCE_BYTES, deadline)
+    try:
+        greeting = _recv_exact(sock, len(GREETING) + NONCE_BYTES, deadline)
+    except TimeoutError as exc:
+        raise StoreSilentError(
+            f"{where} accepted the connection but sent no greeting within "
+            f"{HANDSHAKE_TIMEOUT_S:g} s") from exc
     if not greeting.startswith(GREETING):
         raise StoreAuthError(
             f"{where} is not the job's rendezvous store: it "
