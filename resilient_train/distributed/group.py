@@ -622,7 +622,7 @@ class DistributedGroup:
                     "its host stopped, froze or is cut off; closing this process's "
                     "connections to it", self.replica_name, self.info.master_addr,
                     self.info.master_port, self.name_of(0), math.floor(silent))
-                self._rdzv.cut()
+                self._rdzv.cut(max(heard, counts_from))
                 counts_from = now
 
     def _heartbeat(self, beats: PeerBeats, store: Any) -> None:

@@ -112,6 +112,7 @@ class Rendezvous:
         # never answered (a stopped or frozen process), and how long that may last.
         self.silent_since: float | None = None
         self.silent_s = silent_s
+        self._cut_silent_since: float | None = None   # cut(): the store's silence so far
         self.epoch = ""
         self.store: Any = None
 
@@ -167,7 +168,7 @@ class Rendezvous:
             return
         what = f"the primary {self.name_of(0)}"
         start = last_log = time.monotonic()
-        self.silent_since = None
+        self.silent_since, self._cut_silent_since = self._cut_silent_since, None
 
         def log_progress(state: RetryCallState) -> None:
             nonlocal last_log
@@ -220,10 +221,12 @@ class Rendezvous:
                 logger.warning("%s; retrying until the join deadline", exc)
             raise
 
-    def cut(self) -> None:
+    def cut(self, silent_since: float) -> None:
         """End this process's connections to the store now (from any thread): a call
         waiting on a store that does not answer fails at once, and the next connection
-        is a fresh one."""
+        is a fresh one. ``silent_since``: when the store last answered; the next connect
+        counts a silent port from then, not afresh."""
+        self._cut_silent_since = silent_since
         cut, self._relays = self._relays, storeauth.Relays()
         cut.close(timeout_s=1.0)
 
@@ -280,10 +283,10 @@ class Rendezvous:
                            "(%s): stopped or frozen?", what, self.host, self.port, exc)
         elif now - self.silent_since >= self.silent_s:
             raise PrimaryUnreachableError(
-                f"{what} at {self.host}:{self.port} has accepted connections without "
-                f"answering any for {now - self.silent_since:.0f} s: its process is stopped "
-                f"or frozen, or another program holds the port; leaving so that the job is "
-                f"retried", missing=(0,)) from exc
+                f"{what} at {self.host}:{self.port} has not answered for "
+                f"{now - self.silent_since:.0f} s and its port still accepts connections: "
+                f"its process is stopped or frozen, or another program holds the port; "
+                f"leaving so that the job is retried", missing=(0,)) from exc
 
     def _bind_addresses(self, deadline: float) -> list[str]:
         """The addresses of this machine that MASTER_ADDR names (never all interfaces)."""
