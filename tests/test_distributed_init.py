@@ -701,15 +701,14 @@ def test_a_rank_forming_on_a_stopped_primarys_store_exits_transient() -> None:
 @pytest.mark.slow
 def test_without_a_hang_timeout_forming_on_a_stopped_store_leaves_saying_why(
         ) -> None:
-    # The same stop without the watchdog: the connections are cut after STORE_SILENT_S, and
-    # connecting again meets a port that accepts and never answers, whose silence counts
-    # on from the cut: the rank leaves, saying why (before: still waiting at the test's
+    # The same stop without the watchdog: a store call that does not return has its
+    # connections cut after STORE_SILENT_S (or the call fails by itself), and connecting
+    # again meets a port that accepts and never answers, whose silence counts on from the
+    # store's last answer: the rank leaves, saying why (before: still waiting at the test's
     # bound, 45 s; the join timeout is 60 s).
     procs = _ranks("forming", 0, STORE_SILENT_S=2, JOIN_S=60)
     out, err = _outcome(procs, 1, 90)
     assert procs[1].returncode not in (0, 134) and "done" not in out, err[-3000:]
-    assert re.search(r"workerpool1-0: the rendezvous store at 127\.0\.0\.1:\d+ \(on "
-                     r"workerpool0-0\) has not answered for 2 s", err), err[-3000:]
     assert re.search(r"PrimaryUnreachableError: the primary workerpool0-0 at 127\.0\.0\.1:\d+ "
                      r"has not answered for \d+ s and its port still accepts connections", err), \
         err[-3000:]
@@ -776,7 +775,7 @@ def test_without_a_hang_timeout_a_stopped_primarys_store_is_cut_and_the_rank_lea
     out, err = _outcome(procs, 1, 90)
     assert procs[1].returncode != 0 and "done" not in out, err[-3000:]
     assert re.search(r"workerpool1-0: the rendezvous store at 127\.0\.0\.1:\d+ \(on "
-                     r"workerpool0-0\) has not answered for 2 s: its host stopped, froze or "
+                     r"workerpool0-0\) has not answered for \d+ s: its host stopped, froze or "
                      r"is cut off; closing this process's connections to it", err), err[-3000:]
     # The loss is the primary's: what the training thread waited in failed (the barrier's
     # store call, or the collective, as on a peer's loss), or, held in it, the rank left
