@@ -706,7 +706,7 @@ def test_without_a_hang_timeout_forming_on_a_stopped_store_leaves_saying_why(
     # again meets a port that accepts and never answers, whose silence counts on from the
     # store's last answer: the rank leaves, saying why (before: still waiting at the test's
     # bound, 45 s; the join timeout is 60 s).
-    procs = _ranks("forming", 0, STORE_SILENT_S=2, JOIN_S=60)
+    procs = _ranks("forming", 0, STORE_SILENT_S=2, JOIN_S=60, HANDSHAKE_TIMEOUT_S=1.5)
     out, err = _outcome(procs, 1, 90)
     assert procs[1].returncode not in (0, 134) and "done" not in out, err[-3000:]
     assert re.search(r"PrimaryUnreachableError: the primary workerpool0-0 at 127\.0\.0\.1:\d+ "
@@ -715,7 +715,8 @@ def test_without_a_hang_timeout_forming_on_a_stopped_store_leaves_saying_why(
     assert "hang:" not in err
 
 
-def _rank_1_facing_a_silent_port(hang_s: float, **bounds: float) -> tuple[int, str, float]:
+def _rank_1_facing_a_silent_port(hang_s: float, **bounds: float
+                                 ) -> tuple[int, str, float]:
     """Rank 1 alone, its primary's port held by a socket that the kernel accepts
     connections on and nobody answers (a stopped process's, as SIGSTOP leaves it):
     (exit status, stderr, seconds)."""
@@ -741,10 +742,10 @@ def test_a_primary_whose_port_accepts_but_never_answers_is_a_hang_not_a_late_sta
     # like a refused one (a primary not up yet): the rank waited out the join timeout
     # (60 s here), the hang watchdog none the wiser (measured: exit 1 at 42 s of a 40 s
     # join timeout, with an 8 s hang timeout).
-    code, err, took = _rank_1_facing_a_silent_port(6.0)
+    code, err, took = _rank_1_facing_a_silent_port(3.0, HANDSHAKE_TIMEOUT_S=1.5)
     assert code == 134, err[-3000:]
     assert re.search(r"the primary workerpool0-0 at 127\.0\.0\.1:\d+ accepts connections but "
-                     r"its store does not answer \(.* sent no greeting within 5 s\): stopped "
+                     r"its store does not answer \(.* sent no greeting within 1.5 s\): stopped "
                      r"or frozen\?", err), err[-3000:]
     assert re.search(r"hang: the rendezvous store at 127\.0\.0\.1:\d+, on workerpool0-0, did "
                      r"not answer for \d+ s while this rank waited in its rendezvous", err)
@@ -754,7 +755,8 @@ def test_a_primary_whose_port_accepts_but_never_answers_is_a_hang_not_a_late_sta
 @pytest.mark.slow
 def test_without_a_hang_timeout_a_port_that_never_answers_is_left_before_the_join_timeout(
         ) -> None:
-    code, err, took = _rank_1_facing_a_silent_port(0, STORE_SILENT_S=3)
+    code, err, took = _rank_1_facing_a_silent_port(0, STORE_SILENT_S=2,
+                                                   HANDSHAKE_TIMEOUT_S=1.5)
     assert code not in (0, 134), err[-3000:]   # a bare script: the error's own exit
     assert re.search(r"PrimaryUnreachableError: the primary workerpool0-0 at 127\.0\.0\.1:\d+ "
                      r"has not answered for \d+ s and its port still accepts connections: its "

@@ -20,8 +20,9 @@ joined, so that rank 1 waits in a store call (gloo's connect) on a store that ne
 answers: with a hang timeout it must exit 134 naming the store, without one its
 connections to the store are cut and the formation fails within the join timeout.
 
-``HANG_S=0``: no hang watchdog. ``STORE_SILENT_S``, ``LOST_PEER_STALL_S``: the library's
-bounds on a store that does not answer and on a thread held after the cut (60 s and 30 s
+``HANG_S=0``: no hang watchdog. ``STORE_SILENT_S``, ``LOST_PEER_STALL_S``,
+``HANDSHAKE_TIMEOUT_S``: the library's bounds on a store that does not answer, on a thread
+held after the cut and on a connect's wait for the store's greeting (60 s, 30 s and 5 s
 there; the same mechanism, only slower to test).
 
 Environment: RANK, WORLD_SIZE (2; 3 for reform), MASTER_ADDR, MASTER_PORT (torchrun style),
@@ -39,10 +40,13 @@ import torch.distributed as dist
 
 import resilient_train as rt
 from resilient_train.distributed import group as group_module
+from resilient_train.distributed import storeauth
 
 for bound in ("STORE_SILENT_S", "LOST_PEER_STALL_S"):
     if bound in os.environ:
         setattr(group_module, bound, float(os.environ[bound]))
+if "HANDSHAKE_TIMEOUT_S" in os.environ:   # how long a connect waits for the store's greeting
+    storeauth.HANDSHAKE_TIMEOUT_S = float(os.environ["HANDSHAKE_TIMEOUT_S"])
 hang_s = float(os.environ["HANG_S"])
 mode = os.environ["MODE"]
 if mode == "forming" and os.environ["RANK"] == "0":
