@@ -278,11 +278,8 @@ class Context:
         state (``data.epoch``, ``ctx.values``, a scheduler's last epoch)."""
         if self._began:
             return self.restored_step
-        self.group.phase("restore")   # a long read is no hang; a peer that stops beating is
-        try:
+        with self.group.in_phase("restore"):   # a long read is no hang; a silent peer is
             start = self.checkpoints.restore_latest() or 0
-        finally:
-            self.group.phase("step")
         self.restored_step = start or None
         self.step = start
         self._began = True
@@ -518,11 +515,8 @@ def _live(ctx: Context, fn: Callable[..., R], args: tuple[Any, ...],
         try:
             # The state is fetched while fn builds the model (checkpoint/early.py). The
             # ranks agree on it first: a peer stopped meanwhile is a hang (its silence).
-            ctx.group.phase("restore")
-            try:
+            with ctx.group.in_phase("restore"):
                 ctx.checkpoints.start_restore()
-            finally:
-                ctx.group.phase("step")
             result = fn(ctx, *args, **kwargs)
         except Exception as exc:
             death = exc if _loader_death(exc) else _surfaced_loader_death(exc)

@@ -18,6 +18,7 @@ One `DistributedGroup` per process. Its parts:
 from __future__ import annotations
 
 import atexit
+import contextlib
 import datetime
 import gc
 import logging
@@ -25,7 +26,7 @@ import math
 import os
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
 from typing import Any, Literal, TypeVar
 
@@ -239,6 +240,15 @@ class DistributedGroup:
         time of a step, and outside one the silence of a peer that stopped beating."""
         if self._hang is not None:
             self._hang.phase(name)
+
+    @contextlib.contextmanager
+    def in_phase(self, name: str) -> Iterator[None]:
+        """:meth:`phase` ``name`` for the block, then "step" again, also when it raises."""
+        self.phase(name)
+        try:
+            yield
+        finally:
+            self.phase("step")
 
     def barrier(self, name: str = "barrier", timeout_s: float | None = None) -> None:
         """Every rank waits here; a timeout names the ranks that never came."""
