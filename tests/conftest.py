@@ -14,8 +14,12 @@ import pytest
 from gcs import FaultProxy, GcsEmulator, emulator_binary, start_emulator
 from suite_layout import (  # noqa: F401  (hooks: pytest finds them here)
     pytest_collection_modifyitems,
+    pytest_configure_node,
+    pytest_unconfigure,
     pytest_xdist_auto_num_workers,
+    pytest_xdist_make_scheduler,
 )
+from suite_layout import pytest_configure as configure_layout
 
 
 @pytest.fixture(scope="session")
@@ -82,6 +86,7 @@ def pytest_configure(config: pytest.Config) -> None:
     CPU each. Existing bytecode is still read, and a stale file is recompiled by its
     timestamp, so this changes nothing but the time. (Once, in pytest-xdist's controller.)
     """
+    configure_layout(config)
     if hasattr(config, "workerinput"):
         return
     for folder in ("resilient_train", "tests", "examples", "benchmarks"):
