@@ -60,8 +60,8 @@ from typing import Any
 import torch
 from meta import stamp  # benchmarks/, on the path as the script's folder
 
+from resilient_train.checkpoint.commit.retention import RetentionPolicy
 from resilient_train.checkpoint.manager import CheckpointManager, CheckpointOptions
-from resilient_train.checkpoint.retention import RetentionPolicy
 
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "benchmarks" / "results" / "checkpoint.json"

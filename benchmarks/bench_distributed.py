@@ -294,7 +294,7 @@ def launcher_run(kills: list[tuple[str, float]], workers: int, tmp: Path,
     last_kill = max(at for _, at in kills)
     limit = last_kill + recovery_limit + 30
     spec = ",".join(f"kill:{replica}@{at:g}s" for replica, at in kills)
-    args = [sys.executable, "-m", "resilient_train.cli", "launch", "--workers", str(workers),
+    args = [sys.executable, "-m", "resilient_train.cli.main", "launch", "--workers", str(workers),
             "--job-dir", str(job_dir), "--timeout", f"{int(limit + 60)}s", "--chaos", spec,
             "--", sys.executable, str(WORKER), "train-rt"]
     env = base_env(bench_dir, RESILIENT_TRAIN_QUOTA_DIR=str(bench_dir / "quota"),

@@ -81,10 +81,10 @@ from typing import Any
 import torch
 from meta import stamp  # benchmarks/, on the path as the script's folder
 
-from resilient_train.checkpoint import storage as storage_mod
+from resilient_train.checkpoint.commit.retention import RetentionPolicy
 from resilient_train.checkpoint.manager import CheckpointManager, CheckpointOptions
-from resilient_train.checkpoint.retention import RetentionPolicy
-from resilient_train.checkpoint.storage_gcs import DEFAULT_GCS_TRANSFER, GcsStorage
+from resilient_train.checkpoint.storage import base as storage_mod
+from resilient_train.checkpoint.storage.gcs import DEFAULT_GCS_TRANSFER, GcsStorage
 
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "benchmarks" / "results" / "gcs_streams.json"
@@ -224,7 +224,7 @@ def main() -> int:
         return 1
     logging.getLogger("resilient_train").setLevel(logging.WARNING)
     uploads = UploadLog()
-    fs_log = logging.getLogger("resilient_train.checkpoint.storage_fsspec")
+    fs_log = logging.getLogger("resilient_train.checkpoint.storage.objectstore")
     fs_log.setLevel(logging.DEBUG)
     fs_log.addHandler(uploads)
     fs_log.propagate = False

@@ -3,7 +3,7 @@
     python benchmarks/bench_goodput.py [--quick] [--rates 20,10] [--policies steps:10,auto]
                                        [--kills 5] [--seed 2] [--steps N] [--out PATH]
 
-Each arm is one real job: ``python -m resilient_train.cli launch --workers 2 --chaos
+Each arm is one real job: ``python -m resilient_train.cli.main launch --workers 2 --chaos
 "kill~MEANsxCOUNT" --chaos-seed SEED -- python benchmarks/goodput_worker.py --policy P``.
 The worker (goodput_worker.py) is a small data-parallel job under ``@rt.main``: 32 MiB of
 tracked state (so a save costs something), a fixed step time (a small forward/backward,
@@ -82,11 +82,11 @@ def rate_label(mean: float | None) -> str:
 def auto_available() -> str | None:
     """None when auto_interval exists, else why not."""
     try:
-        from resilient_train.checkpoint import policy
+        from resilient_train.checkpoint.schedule import policies as policy
     except ImportError as exc:
-        return f"resilient_train.checkpoint.policy cannot be imported: {exc}"
+        return f"resilient_train.checkpoint.schedule.policies cannot be imported: {exc}"
     if not hasattr(policy, "auto_interval"):
-        return "resilient_train.checkpoint.policy has no auto_interval yet"
+        return "resilient_train.checkpoint.schedule.policies has no auto_interval yet"
     return None
 
 
@@ -106,8 +106,8 @@ def schedule(chaos: str, seed: int, workers: int) -> list[dict[str, Any]]:
 
 
 def primary_saves(job_dir: Path) -> list[tuple[float, int, float]]:
-    from resilient_train.launcher.record import telemetry_prefixes
-    from resilient_train.telemetry import read_life
+    from resilient_train.observe.jobdir import telemetry_prefixes
+    from resilient_train.observe.telemetry import read_life
 
     saves: list[tuple[float, int, float]] = []
     for prefix in telemetry_prefixes(job_dir, "workerpool0-0"):
@@ -139,7 +139,7 @@ def run_arm(policy: str, mean: float | None, args: argparse.Namespace, root: Pat
     name = f"{index:02d}-{policy.replace(':', '-')}-{'none' if mean is None else f'{mean:g}s'}"
     job_dir = root / name
     chaos = None if mean is None else f"kill~{mean:g}sx{args.kills}"
-    cmd = [sys.executable, "-m", "resilient_train.cli", "launch", "--workers",
+    cmd = [sys.executable, "-m", "resilient_train.cli.main", "launch", "--workers",
            str(args.workers), "--quiet", "--job-dir", str(job_dir), "--name", f"goodput-{name}",
            "--timeout", f"{args.job_timeout:g}s"]
     if chaos:

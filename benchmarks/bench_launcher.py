@@ -90,7 +90,7 @@ def restart_latency(mode: str, restarts: int, tmp: Path) -> dict[str, Any]:
     policy = work / "policy.json"
     policy.write_text(json.dumps(POLICY))
     job_dir = work / "job"
-    args = [sys.executable, "-m", "resilient_train.cli", "launch", "--quiet",
+    args = [sys.executable, "-m", "resilient_train.cli.main", "launch", "--quiet",
             "--job-dir", str(job_dir), "--policy", str(policy), "--timeout", "120s"]
     if mode == "chaos-kill":
         kills = ",".join(f"kill:0@{0.5 * (i + 1):g}s" for i in range(restarts))
@@ -143,7 +143,7 @@ def idle_cpu(idle_seconds: float, tmp: Path) -> list[dict[str, Any]]:
         work = tmp / f"idle-{i}"
         work.mkdir()
         job_dir = work / "job"
-        args = [sys.executable, "-m", "resilient_train.cli", "launch", "--quiet",
+        args = [sys.executable, "-m", "resilient_train.cli.main", "launch", "--quiet",
                 "--job-dir", str(job_dir), *extra, "--", sys.executable, "-c",
                 f"import time; time.sleep({idle_seconds})"]
         proc = subprocess.Popen(args, env=_env(work), stdout=subprocess.DEVNULL, cwd=REPO)

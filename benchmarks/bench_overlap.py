@@ -41,8 +41,9 @@ HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 sys.path.insert(0, str(REPO))
 
-import resilient_train as rt  # noqa: E402 - from this checkout, after the path is set
 from meta import stamp  # noqa: E402 - benchmarks/, on the path as the script's folder
+
+import resilient_train as rt  # noqa: E402 - from this checkout, after the path is set
 
 
 def synthetic(state_mb: int) -> tuple[torch.nn.Module, torch.optim.Optimizer,

@@ -2,7 +2,7 @@
 
     python benchmarks/bench_peers.py [--steps 2000] [--charlm-steps 80] [--out PATH]
 
-Peer recovery (resilient_train/checkpoint/peers.py) costs every step: this rank's RNG
+Peer recovery (resilient_train/checkpoint/tiers/peers.py) costs every step: this rank's RNG
 states and ``ctx.values`` captured and pickled twice (just before the optimizer step, and at
 the step's end to see whether they changed), one ring exchange with the neighbours (about
 15 KB each way, waited for), a step-end message without waiting, and a sum of the tracked
@@ -50,8 +50,8 @@ def ring_worker() -> None:
     import torch
     import torch.distributed as dist
 
-    from resilient_train.checkpoint.coordination import TorchDistributed
     from resilient_train.checkpoint.manager import CheckpointManager, CheckpointOptions
+    from resilient_train.checkpoint.schedule.coordination import TorchDistributed
 
     rank = int(os.environ["RANK"])
     dist.init_process_group("gloo", rank=rank, world_size=2)
@@ -87,7 +87,7 @@ def ring_worker() -> None:
 
 
 def ring(steps: int) -> dict[str, float]:
-    from resilient_train.ports import free_port
+    from resilient_train.launcher.ports import free_port
 
     with tempfile.TemporaryDirectory() as tmp:
         env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()),
@@ -107,12 +107,12 @@ def ring(steps: int) -> dict[str, float]:
 
 def charlm_step(steps: int) -> dict[str, float]:
     sys.path.insert(0, str(REPO))
-    from resilient_train.telemetry import read_life
+    from resilient_train.observe.telemetry import read_life
 
     with tempfile.TemporaryDirectory() as tmp:
         job = Path(tmp) / "job"
         subprocess.run(
-            [sys.executable, "-m", "resilient_train.cli", "launch", "--workers", "2",
+            [sys.executable, "-m", "resilient_train.cli.main", "launch", "--workers", "2",
              "--job-dir", str(job), "--", sys.executable,
              str(REPO / "examples" / "train_charlm.py"), "--steps", str(steps)],
             env=dict(os.environ, RESILIENT_TRAIN_QUOTA_DIR=str(Path(tmp) / "quota")),
@@ -133,7 +133,7 @@ def undo_copy(repeats: int) -> dict[str, float]:
 
     import torch
 
-    from resilient_train.checkpoint.stepwrites import BeforeStep
+    from resilient_train.checkpoint.state.stepwrites import BeforeStep
 
     spec = importlib.util.spec_from_file_location("train_charlm",
                                                   REPO / "examples" / "train_charlm.py")

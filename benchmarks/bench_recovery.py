@@ -416,7 +416,7 @@ def sigterm_save(work: Path, cfg: argparse.Namespace, watch: MemoryWatch) -> dic
             "STORAGE_EMULATOR_HOST": endpoint,
             ARGS_ENV: worker_args(cfg, ["--checkpoint-dir", f"gs://{BUCKET}/run"])}
         job_dir = work / "job"
-        cmd = [sys.executable, "-m", "resilient_train.cli", "launch", "--workers",
+        cmd = [sys.executable, "-m", "resilient_train.cli.main", "launch", "--workers",
                str(WORKERS), "--job-dir", str(job_dir), "--quiet", "--grace", f"{grace:g}",
                "--timeout", f"{int(cfg.job_timeout)}s",
                "--chaos", f"preempt:{replica_of(0)}@step{at}", "--",
@@ -566,7 +566,7 @@ def startup_baseline(work: Path, params_m: float, repeats: int) -> dict[str, Any
 
 
 def bench_soak_free_port() -> int:
-    from resilient_train.ports import free_port
+    from resilient_train.launcher.ports import free_port
 
     return free_port()
 
@@ -579,18 +579,18 @@ def read_once_worker() -> None:
     import torch
     import torch.distributed as dist
 
-    from resilient_train.checkpoint.coordination import SingleProcess, TorchDistributed
-    from resilient_train.checkpoint.directory import (
+    from resilient_train.checkpoint.commit.directory import (
         SHARED_FILE,
         find_committed,
         rank_file,
         read_manifest,
     )
-    from resilient_train.checkpoint.loader import load_verified
+    from resilient_train.checkpoint.commit.loader import load_verified
+    from resilient_train.checkpoint.commit.retention import RetentionPolicy
     from resilient_train.checkpoint.manager import CheckpointManager, CheckpointOptions
-    from resilient_train.checkpoint.retention import RetentionPolicy
-    from resilient_train.checkpoint.state import restore, restore_rng
-    from resilient_train.checkpoint.storage import Storage
+    from resilient_train.checkpoint.schedule.coordination import SingleProcess, TorchDistributed
+    from resilient_train.checkpoint.state.capture import restore, restore_rng
+    from resilient_train.checkpoint.storage.base import Storage
 
     dist.init_process_group("gloo")
     rank = dist.get_rank()
@@ -691,7 +691,7 @@ def raw_broadcasts(tracked: dict[str, Any], repeats: int, rank: int) -> dict[str
     import torch
     import torch.distributed as dist
 
-    from resilient_train.checkpoint.state import collect, tree_map_tensors
+    from resilient_train.checkpoint.state.capture import collect, tree_map_tensors
 
     sizes: list[int] = []
     tree_map_tensors(lambda t: sizes.append(t.numel() * t.element_size()) or t,

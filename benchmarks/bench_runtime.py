@@ -19,7 +19,7 @@ from pathlib import Path
 
 import resilient_train as rt
 from resilient_train import runtime
-from resilient_train.telemetry import TELEMETRY_ENV
+from resilient_train.observe.telemetry import TELEMETRY_ENV
 
 RESULTS = Path(__file__).parent / "results" / "runtime.json"
 

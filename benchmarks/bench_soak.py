@@ -5,7 +5,7 @@
     python benchmarks/bench_soak.py --chaos "kill:1@step40,kill:2@step90" --steps 300 \
         --against none
 
-One launcher job, ``python -m resilient_train.cli launch --workers 4 --chaos
+One launcher job, ``python -m resilient_train.cli.main launch --workers 4 --chaos
 kill:R@stepN,...`` running ``examples/train_demo.py`` (DDP over gloo, a save every 10
 steps). The kills are SIGKILLs from the launcher, each once the primary has finished step
 N: the first at a seeded random step in ``[--first-min, --first-max]``, each next one
@@ -86,9 +86,9 @@ sys.path.insert(0, str(REPO))
 from meta import stamp  # benchmarks/, on the path as the script's folder  # noqa: E402
 
 from resilient_train.launcher.chaos import ChaosSpecError, FaultKind, parse_chaos  # noqa: E402
-from resilient_train.launcher.policy import DEFAULT_BUDGETS  # noqa: E402
-from resilient_train.launcher.record import telemetry_prefixes  # noqa: E402
-from resilient_train.telemetry import Segment, read_life, read_step  # noqa: E402
+from resilient_train.observe.jobdir import telemetry_prefixes  # noqa: E402
+from resilient_train.observe.telemetry import Segment, read_life, read_step  # noqa: E402
+from resilient_train.platform.rules import DEFAULT_BUDGETS  # noqa: E402
 
 DEMO = REPO / "examples" / "train_demo.py"
 TORCHRUN_WORKER = REPO / "benchmarks" / "soak_torchrun_worker.py"
@@ -164,7 +164,7 @@ def run_job(work: Path, spec: str, steps: int, workers: int, step_time: float,
     tail of its output, wall seconds)."""
     job_dir = work / "job"
     out_path = work / "launcher.out"
-    cmd = [sys.executable, "-m", "resilient_train.cli", "launch", "--workers", str(workers),
+    cmd = [sys.executable, "-m", "resilient_train.cli.main", "launch", "--workers", str(workers),
            "--job-dir", str(job_dir), "--quiet", "--timeout", f"{int(timeout)}s",
            "--chaos", spec]
     if policy is not None:

@@ -40,7 +40,7 @@ from meta import stamp  # noqa: E402
 
 DEMO = REPO / "examples" / "train_demo.py"
 ARMS = {
-    "spawn": [sys.executable, "-m", "resilient_train.cli", "spawn", "--nproc-per-node", "2",
+    "spawn": [sys.executable, "-m", "resilient_train.cli.main", "spawn", "--nproc-per-node", "2",
               "--", sys.executable, str(DEMO)],
     "torchrun": ["bash", str(REPO / "examples" / "torchrun_replica.sh")],
 }
@@ -50,7 +50,7 @@ KILLS = "kill:workerpool1-0@step40,kill:workerpool0-0@step100"
 def run_arm(work: Path, name: str, cfg: argparse.Namespace) -> dict[str, Any]:
     """One job; its kills' rows (bench_soak.measure) and how it ended."""
     job_dir = work / "job"
-    cmd = [sys.executable, "-m", "resilient_train.cli", "launch", "--workers", "2",
+    cmd = [sys.executable, "-m", "resilient_train.cli.main", "launch", "--workers", "2",
            "--job-dir", str(job_dir), "--quiet", "--timeout", f"{cfg.timeout:g}s",
            "--chaos", KILLS, "--", *ARMS[name], "--steps", str(cfg.steps), "--step-time",
            f"{cfg.step_time:g}", "--save-every", "10"]

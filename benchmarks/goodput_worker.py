@@ -31,7 +31,7 @@ import torch.distributed as dist
 from torch import nn
 
 import resilient_train as rt
-from resilient_train.checkpoint.policy import SavePolicy, every, every_n_steps, never
+from resilient_train.checkpoint.schedule.policies import SavePolicy, every, every_n_steps, never
 
 
 def make_policy(spec: str, auto_floor: float) -> SavePolicy:
@@ -44,7 +44,7 @@ def make_policy(spec: str, auto_floor: float) -> SavePolicy:
         return never()
     if kind == "auto":
         try:
-            from resilient_train.checkpoint.policy import auto_interval  # type: ignore[attr-defined]
+            from resilient_train.checkpoint.schedule.policies import auto_interval  # type: ignore[attr-defined]
         except ImportError as exc:  # being added by another change
             raise SystemExit(f"--policy auto: {exc}") from None
         return auto_interval(float(value) if value else None, floor_s=auto_floor)
@@ -107,7 +107,7 @@ def main() -> int:
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr,
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")
     # auto_interval logs its interval (INFO): worth seeing in the worker log.
-    logging.getLogger("resilient_train.checkpoint.policy").setLevel(logging.INFO)
+    logging.getLogger("resilient_train.checkpoint.schedule.policies").setLevel(logging.INFO)
     policy = make_policy(args.policy, args.auto_floor)
     options = rt.MainOptions(
         checkpoint=rt.CheckpointOptions(

@@ -818,7 +818,7 @@ def section_spawn(d: dict[str, Any]) -> Section:
 
 
 def section_recovery(d: dict[str, Any]) -> Section:
-    import bench_recovery   # renders its own JSON
+    import bench_recovery  # renders its own JSON
 
     return bench_recovery.markdown_section(d, md_table, fnum)
 

@@ -25,13 +25,13 @@ __version__ = "0.1.0"
 _LAZY = {
     "CheckpointManager": "resilient_train.checkpoint.manager",
     "CheckpointOptions": "resilient_train.checkpoint.manager",
-    "RetentionPolicy": "resilient_train.checkpoint.retention",
-    "NodeLocal": "resilient_train.checkpoint.nodelocal",
-    "every_n_steps": "resilient_train.checkpoint.policy",
-    "auto_interval": "resilient_train.checkpoint.policy",
-    "never": "resilient_train.checkpoint.policy",
-    "every": "resilient_train.checkpoint.policy",
-    "RetryOptions": "resilient_train.checkpoint.storage",
+    "RetentionPolicy": "resilient_train.checkpoint.commit.retention",
+    "NodeLocal": "resilient_train.checkpoint.tiers.nodelocal",
+    "every_n_steps": "resilient_train.checkpoint.schedule.policies",
+    "auto_interval": "resilient_train.checkpoint.schedule.policies",
+    "never": "resilient_train.checkpoint.schedule.policies",
+    "every": "resilient_train.checkpoint.schedule.policies",
+    "RetryOptions": "resilient_train.checkpoint.storage.base",
     "main": "resilient_train.runtime",
     "Context": "resilient_train.runtime",
     "MainOptions": "resilient_train.runtime",
@@ -58,11 +58,11 @@ __all__ = [
 ]
 
 if TYPE_CHECKING:
+    from .checkpoint.commit.retention import RetentionPolicy
     from .checkpoint.manager import CheckpointManager, CheckpointOptions
-    from .checkpoint.nodelocal import NodeLocal
-    from .checkpoint.policy import auto_interval, every, every_n_steps, never
-    from .checkpoint.retention import RetentionPolicy
-    from .checkpoint.storage import RetryOptions
+    from .checkpoint.schedule.policies import auto_interval, every, every_n_steps, never
+    from .checkpoint.storage.base import RetryOptions
+    from .checkpoint.tiers.nodelocal import NodeLocal
     from .data import ResumableLoader, ResumableSampler
     from .distributed.errors import (
         BarrierTimeoutError,

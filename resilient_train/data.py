@@ -32,8 +32,9 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import DataLoader, Dataset, IterableDataset, Sampler, Subset
 
-from . import forkwatch, sigterm
-from .checkpoint.advice import say_once
+from . import forkwatch, lifecycle, sigterm
+from .checkpoint.state.capture import FollowsSteps
+from .lifecycle import say_once
 
 __all__ = ["ResumableLoader", "ResumableSampler"]
 
@@ -241,9 +242,7 @@ def _reads_batches(dataset: Any) -> bool:
 def _say_if_untracked(rank: int) -> None:
     """A ResumableLoader iterated under ``rt.main`` but not tracked: its position is in no
     checkpoint. Said once per process, by rank 0."""
-    from . import runtime  # here: runtime's users import this module
-
-    if runtime.live_context() is None:
+    if lifecycle.current() is None:
         return
     say_once(
         log, "untracked loader", logging.WARNING if rank == 0 else logging.DEBUG,
@@ -254,7 +253,7 @@ def _say_if_untracked(rank: int) -> None:
         "nothing)")
 
 
-class ResumableLoader:
+class ResumableLoader(FollowsSteps):
     """A DataLoader whose position (epoch, samples consumed) is part of the checkpoint.
 
     ``ctx.track(data=loader)`` and draw batches with ``batches = loader.forever()`` and

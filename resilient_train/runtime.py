@@ -23,10 +23,10 @@ from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, replace
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from . import sigterm
+from . import lifecycle, sigterm
 from .cluster import CLUSTER_SPEC_ENV, JOB_ID_ENV, TF_CONFIG_ENV
 from .errors import exception_chain, record
-from .telemetry import Telemetry
+from .observe.telemetry import Telemetry
 from .validate import NONE, expect_type, holder, options
 
 if TYPE_CHECKING:  # torch-heavy: loaded when a training script builds them
@@ -219,7 +219,7 @@ class Context:
         self.options = options
         self.checkpoints = CheckpointManager(options.checkpoint_dir,
                                              options=options.checkpoint_options())
-        from .checkpoint.state import check_weights_only
+        from .checkpoint.state.capture import check_weights_only
 
         self._values = _Values(check_weights_only)   # see _Values
         self.checkpoints.values = self._values
@@ -311,7 +311,7 @@ class Context:
         start = self.step
         if start >= total and start == self.restored_step and self.is_primary:
             # A finished job run again, or a total left as it was: the loop does nothing.
-            from .checkpoint.advice import say_once
+            from .lifecycle import say_once
 
             say_once(log, f"no step left {total} {start}", logging.WARNING,
                      "ctx.steps(%d) has no step left to run: the checkpoint restored is of "
@@ -491,22 +491,11 @@ def _raised_in_data_loading(exc: BaseException) -> bool:
     return False
 
 
-_LIVE: list[Context] = []   # the rt.main life running in this process (data.py asks)
-
-
-def live_context() -> Context | None:
-    """The Context of the ``rt.main`` life running in this process, if one is."""
-    return _LIVE[-1] if _LIVE else None
-
-
 def _life(fn: Callable[..., R], group: Any, options: MainOptions, args: tuple[Any, ...],
           kwargs: dict[str, Any]) -> R:
     ctx = Context(group, options)
-    _LIVE.append(ctx)
-    try:
+    with lifecycle.running(ctx):
         return _live(ctx, fn, args, kwargs)
-    finally:
-        _LIVE.remove(ctx)
 
 
 def _live(ctx: Context, fn: Callable[..., R], args: tuple[Any, ...],

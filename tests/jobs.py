@@ -23,7 +23,7 @@ def launch_job(tmp: Path, name: str, workers: int, launcher_args: Sequence[str],
     exits 0."""
     job_dir = tmp / name
     proc = subprocess.run(
-        [sys.executable, "-m", "resilient_train.cli", "launch", "--workers", str(workers),
+        [sys.executable, "-m", "resilient_train.cli.main", "launch", "--workers", str(workers),
          "--job-dir", str(job_dir), *launcher_args, "--", program, *script],
         env=dict(os.environ, RESILIENT_TRAIN_QUOTA_DIR=str(tmp / "quota"),
                  RESILIENT_TRAIN_FORM_TIMEOUT_S="15"),

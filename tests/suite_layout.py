@@ -30,7 +30,7 @@ _GROUPS_DIR = "suite_layout_groups"      # the workerinput key: where workers wr
 _groups_dir_key = pytest.StashKey[Path]()
 
 
-@pytest.hookimpl(tryfirst=True)
+@pytest.hookimpl(optionalhook=True, tryfirst=True)
 def pytest_xdist_auto_num_workers(config: pytest.Config) -> int | None:
     """``-n auto``: twice the cores this process may use (at most ``--maxprocesses``).
     Many tests spend seconds waiting (a timeout, a restart, a step's sleep) with a core
@@ -101,7 +101,7 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
 
 
 def _group_scheduling() -> type:
-    from xdist.scheduler import LoadScopeScheduling   # only where xdist runs the suite
+    from xdist.scheduler import LoadScopeScheduling  # only where xdist runs the suite
 
     class GroupScheduling(LoadScopeScheduling):   # type: ignore[misc, valid-type]
         """xdist's scope scheduling, with a test's scope its group (read from the file its

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from resilient_train.checkpoint.manager import CheckpointManager, CheckpointOptions
-from resilient_train.checkpoint.policy import (
+from resilient_train.checkpoint.schedule.policies import (
     FOUR_HOURS,
     MTBF_ENV,
     PRIOR_MTBF_S,
@@ -28,8 +28,8 @@ from resilient_train.checkpoint.policy import (
     every_n_steps,
     resolve_mtbf,
 )
-from resilient_train.checkpoint.simulate import SimResult, simulate
-from resilient_train.telemetry import FAILURES_ENV, ObservedMtbf, write_failures
+from resilient_train.checkpoint.schedule.simulate import SimResult, simulate
+from resilient_train.observe.telemetry import FAILURES_ENV, ObservedMtbf, write_failures
 
 
 @pytest.fixture(autouse=True)
@@ -129,7 +129,7 @@ def test_logs_one_line_when_the_interval_changes_by_more_than_ten_percent(
         monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
     monkeypatch.setenv(MTBF_ENV, str(6 * 3600))
     p = auto_interval()
-    with caplog.at_level(logging.INFO, logger="resilient_train.checkpoint.policy"):
+    with caplog.at_level(logging.INFO, logger="resilient_train.checkpoint.schedule.policies"):
         p.should_save(ctx(1, now=0.0))
         for cost in (0.12, 0.121, 0.125, 0.2, 0.0001):
             p.should_save(ctx(2, now=1.0, cost=cost))

@@ -17,11 +17,11 @@ from typing import Any
 
 import pytest
 import torch
-from test_launcher_e2e import PY, WORKERS, E2E, e2e, event_messages, replica  # noqa: F401
+from test_launcher_e2e import E2E, PY, WORKERS, e2e, event_messages, replica  # noqa: F401
 
 from resilient_train.launcher.chaos import SLOW_PERIOD_S, FaultKind, ScheduledFault
 from resilient_train.launcher.stall import Stall, StallStep
-from resilient_train.report import write_report
+from resilient_train.observe.report import write_report
 
 PRIMARY, WORKER = "workerpool0-0", "workerpool1-0"
 

@@ -25,8 +25,8 @@ from resilient_train.launcher.chaos import (
     parse_chaos,
 )
 from resilient_train.launcher.messages import STATUS_FAULT_NOT_FIRED
-from resilient_train.launcher.record import read_job
 from resilient_train.launcher.runner import NO_STEP_WARNING_S, Launcher, LaunchOptions
+from resilient_train.observe.jobdir import read_job
 
 REPLICAS = ["workerpool0-0", "workerpool1-0", "workerpool1-1"]
 NO_STEP = "the primary never reported a step (steps are reported under @rt.main, by ctx.steps)"

@@ -42,10 +42,10 @@ from typing import IO, Any
 import pytest
 from ckpt_workers import crash_model
 
-from resilient_train.checkpoint.directory import scan, verify_step
+from resilient_train.checkpoint.commit.directory import scan, verify_step
 from resilient_train.checkpoint.manager import CheckpointManager, CheckpointOptions
-from resilient_train.checkpoint.nodelocal import NodeLocal
-from resilient_train.checkpoint.storage import RetryOptions, Storage
+from resilient_train.checkpoint.storage.base import RetryOptions, Storage
+from resilient_train.checkpoint.tiers.nodelocal import NodeLocal
 
 pytestmark = pytest.mark.slow
 

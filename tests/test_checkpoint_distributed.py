@@ -21,8 +21,8 @@ from typing import Any
 import pytest
 import torch
 
-from resilient_train.checkpoint.directory import read_manifest, scan, verify_step
-from resilient_train.checkpoint.storage import Storage
+from resilient_train.checkpoint.commit.directory import read_manifest, scan, verify_step
+from resilient_train.checkpoint.storage.base import Storage
 
 WORKERS = Path(__file__).parent / "dist_workers"
 LAUNCH_TIMEOUT_S = 90.0
@@ -385,8 +385,8 @@ def test_dcp_metadata_is_parsed_without_running_code(tmp_path: Path) -> None:
     anything but checkpoint metadata classes."""
     import pickle
 
-    from resilient_train.checkpoint.manifest import CorruptCheckpointError
-    from resilient_train.checkpoint.sharded import parse_metadata
+    from resilient_train.checkpoint.commit.manifest import CorruptCheckpointError
+    from resilient_train.checkpoint.commit.sharded import parse_metadata
 
     class Evil:
         def __reduce__(self) -> tuple[Any, ...]:

@@ -30,12 +30,10 @@ import pytest
 import torch
 from gcs import FaultProxy
 
-from resilient_train import cli
-from resilient_train.checkpoint import loader
 from resilient_train.checkpoint import manager as manager_mod
-from resilient_train.checkpoint.directory import StepInfo, scan, verify_step
-from resilient_train.checkpoint.manager import CheckpointManager, CheckpointOptions
-from resilient_train.checkpoint.manifest import (
+from resilient_train.checkpoint.commit import loader
+from resilient_train.checkpoint.commit.directory import StepInfo, scan, verify_step
+from resilient_train.checkpoint.commit.manifest import (
     MANIFEST,
     MARKER,
     CheckpointError,
@@ -44,15 +42,17 @@ from resilient_train.checkpoint.manifest import (
     marker_bytes,
     step_dirname,
 )
-from resilient_train.checkpoint.retention import RetentionPolicy
-from resilient_train.checkpoint.state import StateMismatchError
-from resilient_train.checkpoint.storage import (
+from resilient_train.checkpoint.commit.retention import RetentionPolicy
+from resilient_train.checkpoint.manager import CheckpointManager, CheckpointOptions
+from resilient_train.checkpoint.state.capture import StateMismatchError
+from resilient_train.checkpoint.storage.base import (
     RetryOptions,
     Storage,
     StorageNotFoundError,
     StoragePermissionError,
     StorageUnavailableError,
 )
+from resilient_train.cli import main as cli
 from resilient_train.errors import Classification, classify_exception
 from resilient_train.frames import current_frames
 

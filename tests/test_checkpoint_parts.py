@@ -1,5 +1,5 @@
-"""The checkpoint manager's parts, one at a time: when to save (scheduler.py), how to write
-a step (writer.py), how to commit it (commit.py) and what is in a directory (directory.py,
+"""The checkpoint manager's parts, one at a time: when to save (schedule/scheduler.py), how to write
+a step (commit/stepwriter.py), how to commit it (commit/protocol.py) and what is in a directory (commit/directory.py,
 torch-free). Pure and fast: no manager, no training loop, no sleeps."""
 
 from __future__ import annotations
@@ -15,14 +15,7 @@ from typing import Any
 import pytest
 import torch
 
-from resilient_train.checkpoint.commit import (
-    AtomicRename,
-    CommitFile,
-    committer_for,
-    remove_crashed_saves,
-)
-from resilient_train.checkpoint.coordination import SingleProcess
-from resilient_train.checkpoint.directory import (
+from resilient_train.checkpoint.commit.directory import (
     MARKER,
     TMP_PREFIX,
     KnownSteps,
@@ -35,11 +28,23 @@ from resilient_train.checkpoint.directory import (
     temporary_dirname,
     verify_step,
 )
-from resilient_train.checkpoint.manifest import FileEntry, Manifest, crc32c
-from resilient_train.checkpoint.policy import SaveContext, SavePolicy, every, every_n_steps
-from resilient_train.checkpoint.scheduler import Decision, SaveScheduler, SigtermWatch
-from resilient_train.checkpoint.storage import CommitProtocol, Storage
-from resilient_train.checkpoint.writer import WriterThread, state_bytes, write_torch_file
+from resilient_train.checkpoint.commit.manifest import FileEntry, Manifest, crc32c
+from resilient_train.checkpoint.commit.protocol import (
+    AtomicRename,
+    CommitFile,
+    committer_for,
+    remove_crashed_saves,
+)
+from resilient_train.checkpoint.commit.stepwriter import WriterThread, state_bytes, write_torch_file
+from resilient_train.checkpoint.schedule.coordination import SingleProcess
+from resilient_train.checkpoint.schedule.policies import (
+    SaveContext,
+    SavePolicy,
+    every,
+    every_n_steps,
+)
+from resilient_train.checkpoint.schedule.scheduler import Decision, SaveScheduler, SigtermWatch
+from resilient_train.checkpoint.storage.base import CommitProtocol, Storage
 
 # --- what is in a directory ----------------------------------------------------------------
 
@@ -63,7 +68,7 @@ def test_known_steps_forget_a_bad_name_once_it_is_committed() -> None:
 
 def test_listing_a_directory_does_not_import_torch() -> None:
     # `resilient-train checkpoints list` starts without torch (2.5 s of a 2.7 s start).
-    code = ("import sys, resilient_train.checkpoint_cli, resilient_train.checkpoint.directory; "
+    code = ("import sys, resilient_train.cli.checkpoints, resilient_train.checkpoint.commit.directory; "
             "print('torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          check=True, timeout=60)

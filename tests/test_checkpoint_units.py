@@ -10,9 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from resilient_train import cli
-from resilient_train.checkpoint.manager import CheckpointManager, CheckpointOptions
-from resilient_train.checkpoint.manifest import (
+from resilient_train.checkpoint.commit.manifest import (
     CorruptCheckpointError,
     FileEntry,
     Manifest,
@@ -21,7 +19,9 @@ from resilient_train.checkpoint.manifest import (
     parse_step,
     step_dirname,
 )
-from resilient_train.checkpoint.policy import (
+from resilient_train.checkpoint.commit.retention import CommittedStep, RetentionPolicy, to_delete
+from resilient_train.checkpoint.manager import CheckpointManager, CheckpointOptions
+from resilient_train.checkpoint.schedule.policies import (
     FOUR_HOURS,
     SaveContext,
     default_save_policy,
@@ -29,7 +29,7 @@ from resilient_train.checkpoint.policy import (
     every_n_steps,
     never,
 )
-from resilient_train.checkpoint.retention import CommittedStep, RetentionPolicy, to_delete
+from resilient_train.cli import main as cli
 
 
 def ctx(step: int, now: float = 0.0, last_step: int | None = None, last_time: float = 0.0
@@ -311,7 +311,7 @@ def test_a_fresh_start_on_the_last_lifes_trained_objects_is_refused(tmp_path: Pa
     import gc
     import weakref
 
-    from resilient_train.checkpoint.peers import PeerMemory
+    from resilient_train.checkpoint.tiers.peers import PeerMemory
     from resilient_train.errors import TransientError
 
     def life(memory: PeerMemory, model: torch.nn.Module, where: Path) -> int | None:
@@ -377,7 +377,7 @@ def test_a_sharded_model_kept_across_lives_exits_transient_before_the_code_runs(
     restores from the last checkpoint); a plain module kept alive is not refused."""
     import weakref
 
-    from resilient_train.checkpoint.peers import PeerMemory
+    from resilient_train.checkpoint.tiers.peers import PeerMemory
     from resilient_train.errors import TransientError
 
     class DTensor(torch.Tensor):   # stands in for torch.distributed.tensor.DTensor
@@ -405,7 +405,7 @@ def test_a_module_left_in_evaluation_mode_by_a_failure_is_put_back(tmp_path: Pat
     mode: the next life, tracking it again, trains it in the mode of the step restored,
     by the module's own train() (which keeps a frozen part frozen). Found on a user's
     script: rank 0 trained on with dropout off, and the run ended on other weights."""
-    from resilient_train.checkpoint.peers import PeerMemory
+    from resilient_train.checkpoint.tiers.peers import PeerMemory
 
     class Frozen(torch.nn.Sequential):
         def train(self, mode: bool = True) -> Frozen:

@@ -15,7 +15,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-CLI = [sys.executable, "-m", "resilient_train.cli"]
+CLI = [sys.executable, "-m", "resilient_train.cli.main"]
 LINES = 150
 WORKER = ("import time\n"
           f"for i in range({LINES}):\n"

@@ -9,12 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from resilient_train.cluster import (
-    ClusterInfo,
-    ClusterSpecError,
-    cluster_spec_json,
-    tf_config_json,
-)
+from resilient_train.cluster import ClusterInfo, ClusterSpecError, cluster_spec_json, tf_config_json
 
 FULL = {
     "workerpool0": ["wp0-0:2222"],

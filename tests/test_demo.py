@@ -37,7 +37,7 @@ def test_the_readme_main_job_recovers_from_a_killed_worker(tmp_path: Path) -> No
     argv = readme_main_command()
     assert argv[:2] == ["resilient-train", "launch"] and "--chaos" in argv
     # This interpreter for both, whatever is first on PATH.
-    argv = [sys.executable, "-m", "resilient_train.cli", *argv[1:]]
+    argv = [sys.executable, "-m", "resilient_train.cli.main", *argv[1:]]
     argv = [sys.executable if a == "python" else a for a in argv]
     env = dict(os.environ, RESILIENT_TRAIN_QUOTA_DIR=str(tmp_path / "quota"))
     # Run from a copy's point of view: the README's relative paths resolve in the repo.
@@ -75,7 +75,7 @@ def launch_demo(tmp: Path, *launcher_args: str, script_args: tuple[str, ...] = (
                 step_time: float = 0.05) -> tuple[dict, str, Path]:
     job_dir = tmp / "job"
     proc = subprocess.run(
-        [sys.executable, "-m", "resilient_train.cli", "launch", "--workers", str(workers),
+        [sys.executable, "-m", "resilient_train.cli.main", "launch", "--workers", str(workers),
          "--job-dir", str(job_dir), *launcher_args, "--",
          sys.executable, str(ROOT / "examples" / "train_demo.py"),
          "--steps", str(steps), "--step-time", str(step_time), *script_args],
@@ -153,7 +153,7 @@ def test_sigterm_reaches_a_primary_blocked_in_a_collective_with_a_frozen_peer(
     # and 16), which is another defect than the one tested here.
     job_dir = tmp_path / "job"
     proc = subprocess.Popen(
-        [sys.executable, "-m", "resilient_train.cli", "launch", "--workers", "2",
+        [sys.executable, "-m", "resilient_train.cli.main", "launch", "--workers", "2",
          "--job-dir", str(job_dir), "--timeout", "150s", "--chaos", "hang:1@step25+15s",
          "--", sys.executable, str(ROOT / "examples" / "train_demo.py"), "--steps", "40",
          "--step-time", "0.05", "--save-every", "30"],
@@ -185,7 +185,7 @@ def test_sigterm_reaches_a_primary_blocked_in_a_collective_with_a_frozen_peer(
 def _sigterm_once_blocked(job_dir: Path, proc: subprocess.Popen[str]) -> float:
     """SIGTERM to the primary's process group (what a preemption sends) once the peer is
     frozen and the primary has finished no step for 2 s; the time it was sent."""
-    from resilient_train.telemetry import read_step
+    from resilient_train.observe.telemetry import read_step
 
     prefix = job_dir / "telemetry" / "attempt-1" / "workerpool0-0.restart-0"
     deadline = time.monotonic() + 120

@@ -6,7 +6,7 @@ Two disks, the same scenarios on each:
     * ``tmpfs``: a real 20 MiB tmpfs mounted for the test (needs root and a ``mount`` that
       works here; skipped otherwise), unmounted in teardown;
     * ``injected``: a 20 MiB quota on a directory of the test's tmp_path, enforced on every
-      file that storage.py opens for writing: a write that does not fit writes what fits and
+      file that storage/base.py opens for writing: a write that does not fit writes what fits and
       raises ENOSPC, as a real disk does. It always runs. (fileio's O_DIRECT path writes with
       os.pwrite on the descriptor, past the quota: it is switched off there; the tmpfs
       variant runs it.)
@@ -29,18 +29,18 @@ from typing import Any
 import pytest
 import torch
 
-from resilient_train.checkpoint import fileio
 from resilient_train.checkpoint import manager as manager_mod
-from resilient_train.checkpoint import storage as storage_mod
-from resilient_train.checkpoint.directory import scan, verify_step
+from resilient_train.checkpoint.commit.directory import scan, verify_step
+from resilient_train.checkpoint.commit.manifest import CheckpointError, step_dirname
+from resilient_train.checkpoint.commit.retention import RetentionPolicy
 from resilient_train.checkpoint.manager import (
     CheckpointManager,
     CheckpointOptions,
     CheckpointStorageFullError,
 )
-from resilient_train.checkpoint.manifest import CheckpointError, step_dirname
-from resilient_train.checkpoint.retention import RetentionPolicy
-from resilient_train.checkpoint.storage import StorageFullError
+from resilient_train.checkpoint.storage import base as storage_mod
+from resilient_train.checkpoint.storage import fileio
+from resilient_train.checkpoint.storage.base import StorageFullError
 from resilient_train.errors import Classification, classify_exception
 
 MiB = 1 << 20
@@ -445,8 +445,8 @@ def test_a_full_node_local_disk_sends_every_save_to_storage_until_it_has_room(
     # saves that the cadence kept off storage (4 in 5 here) went nowhere: the job ran
     # unprotected for as long as the disk stayed full, with a fix that named the wrong
     # option (RetentionPolicy.keep_last).
-    from resilient_train.checkpoint.nodelocal import NodeLocal
-    from resilient_train.checkpoint.nodelocal import log as local_log
+    from resilient_train.checkpoint.tiers.nodelocal import NodeLocal
+    from resilient_train.checkpoint.tiers.nodelocal import log as local_log
 
     ballast = disk.ballast("other-data.bin", 16 * MiB)   # 4 MiB free: 6 MiB do not fit
     persistent = tmp_path / "persistent"

@@ -35,7 +35,7 @@ from resilient_train.distributed import (
 )
 from resilient_train.distributed.rendezvous import Rendezvous, connect_retry_cap_s
 from resilient_train.distributed.resolve import resolve
-from resilient_train.ports import free_port
+from resilient_train.launcher.ports import free_port
 
 FORM = Path(__file__).parent / "init_workers" / "form.py"
 HELD = Path(__file__).parent / "init_workers" / "held.py"
@@ -541,13 +541,13 @@ def test_a_training_thread_held_inside_torch_is_told_from_one_that_is_not() -> N
 
 
 def test_a_training_thread_held_on_the_peer_ring_counts_as_held_too() -> None:
-    # A rank waits for its previous rank's state before its optimizer step (peers.py) on a
+    # A rank waits for its previous rank's state before its optimizer step (tiers/peers.py) on a
     # plain socket, outside torch. With that rank frozen, a SIGTERM's handler runs inside
     # the read and the read goes on: the stall guard must see the thread held there, and
     # the severing that ends collectives ends the read too.
     import socket
 
-    from resilient_train.checkpoint.ringlink import PeerRingError, RingLink
+    from resilient_train.checkpoint.transport.ringlink import PeerRingError, RingLink
     from resilient_train.sigterm import main_stuck_in_torch
 
     frozen, inc = socket.socketpair()

@@ -27,7 +27,7 @@ from pathlib import Path
 
 import pytest
 
-from resilient_train.launcher.policy import Policy, Strategy, default_policy
+from resilient_train.platform.rules import Policy, Strategy, default_policy
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = ROOT / "docs"
@@ -181,7 +181,7 @@ def check_restart_table(text: str, where: str) -> None:
 
 @functools.cache
 def _causes():
-    from resilient_train.launcher.policy import Cause
+    from resilient_train.platform.rules import Cause
 
     return tuple(Cause)
 
@@ -403,8 +403,8 @@ def enum_values(name: str) -> list[str]:
 
 
 def launch_options() -> list[str]:
-    """The long options of ``resilient-train launch``, read from cli.py's parser."""
-    tree = ast.parse(_read(PACKAGE / "cli.py"))
+    """The long options of ``resilient-train launch``, read from cli/main.py's parser."""
+    tree = ast.parse(_read(PACKAGE / "cli" / "main.py"))
     parsers = {t.id for node in ast.walk(tree) if isinstance(node, ast.Assign)
                and isinstance(node.value, ast.Call)
                and isinstance(node.value.func, ast.Attribute)

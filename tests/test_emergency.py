@@ -18,9 +18,9 @@ import pytest
 import torch
 
 import resilient_train as rt
-from resilient_train.checkpoint.directory import scan
-from resilient_train.checkpoint.emergency import CommitGate, Grace, Outcome, SaveAbandoned
-from resilient_train.checkpoint.storage import RetryOptions, Storage
+from resilient_train.checkpoint.commit.directory import scan
+from resilient_train.checkpoint.schedule.emergency import CommitGate, Grace, Outcome, SaveAbandoned
+from resilient_train.checkpoint.storage.base import RetryOptions, Storage
 from resilient_train.launcher.workerenv import JobEnv, replicas_for, worker_env
 from resilient_train.sigterm import GRACE_ENV
 

@@ -10,11 +10,11 @@ from typing import Any
 
 import pytest
 
-from resilient_train import cli
-from resilient_train.launcher.events import Event, EventKind, decision_summary, iso
+from resilient_train.cli import main as cli
 from resilient_train.launcher.job import JobConfig, JobMachine
-from resilient_train.launcher.policy import Cause
-from resilient_train.report import render_report
+from resilient_train.observe.events import Event, EventKind, decision_summary, iso
+from resilient_train.observe.report import render_report
+from resilient_train.platform.rules import Cause
 
 T0 = 1_700_000_000.0
 P0, P1 = "workerpool0-0", "workerpool1-0"

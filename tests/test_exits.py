@@ -20,7 +20,7 @@ from resilient_train.launcher.messages import (
     PeerLoss,
     error_for,
 )
-from resilient_train.launcher.policy import Cause, Outcome, Strategy, default_policy
+from resilient_train.platform.rules import Cause, Outcome, Strategy, default_policy
 
 R = "workerpool1-0"
 

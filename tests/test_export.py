@@ -22,15 +22,15 @@ import jsonschema
 import pytest
 import yaml
 
-from resilient_train import cli
+from resilient_train.cli import main as cli
 from resilient_train.cluster import ClusterInfo
 from resilient_train.errors import PLATFORM_TRANSIENT_EXIT_CODES
-from resilient_train.launcher import export
-from resilient_train.launcher.export import PlatformJob, job_from_record
-from resilient_train.launcher.jobset import jobset_name
-from resilient_train.launcher.jobspec import load_job_spec, parse_job_spec
-from resilient_train.launcher.policy import Strategy
-from resilient_train.launcher.resources import memory_limit_for
+from resilient_train.platform import export
+from resilient_train.platform.export import PlatformJob, job_from_record
+from resilient_train.platform.jobset import jobset_name
+from resilient_train.platform.jobspec import load_job_spec, parse_job_spec
+from resilient_train.platform.resources import memory_limit_for
+from resilient_train.platform.rules import Strategy
 
 SCHEMA = Path(__file__).resolve().parent / "schemas" / "jobset.x-k8s.io_jobsets.yaml"
 IMAGE = "us-central1-docker.pkg.dev/proj/training/charlm:7"
@@ -315,7 +315,7 @@ def test_a_launch_records_the_platform_job_and_export_reads_it(
     env = {**os.environ, "RESILIENT_TRAIN_QUOTA_DIR": str(tmp_path / "quota"),
            "RESILIENT_TRAIN_GPUS": "none"}
     proc = subprocess.run(
-        [sys.executable, "-m", "resilient_train.cli", "launch", "--name", "tiny", "--job-dir",
+        [sys.executable, "-m", "resilient_train.cli.main", "launch", "--name", "tiny", "--job-dir",
          str(job_dir), "--machine-type", "n1-standard-4", "--quiet", "--",
          sys.executable, "-c", "pass"],
         env=env, cwd=tmp_path, capture_output=True, text=True, timeout=60, check=False)

@@ -15,16 +15,12 @@ import pytest
 from test_job_machine import FakeCluster, running
 from test_launcher_e2e import E2E, e2e, replica  # noqa: F401
 
-from resilient_train import cli
-from resilient_train.launcher.events import EventKind
+from resilient_train.cli import main as cli
 from resilient_train.launcher.job import PEER_LOSS_WINDOW_S, PRIMARY
-from resilient_train.launcher.logtail import (
-    peer_connection_error,
-    strip_prefix,
-    traceback_from_log,
-)
+from resilient_train.launcher.logtail import peer_connection_error, strip_prefix, traceback_from_log
 from resilient_train.launcher.messages import REASON_PEER_LOST
-from resilient_train.launcher.policy import Cause
+from resilient_train.observe.events import EventKind
+from resilient_train.platform.rules import Cause
 
 W1 = "workerpool1-0"
 SITE = "/root/.pyenv/versions/3.11.7/lib/python3.11/site-packages"

@@ -16,10 +16,10 @@ from typing import Any
 import pytest
 import torch
 
-from resilient_train.checkpoint import fileio
-from resilient_train.checkpoint.fileio import ALIGN, DirectWriter
+from resilient_train.checkpoint.commit.manifest import Crc32c, crc32c
 from resilient_train.checkpoint.manager import CheckpointManager, CheckpointOptions
-from resilient_train.checkpoint.manifest import Crc32c, crc32c
+from resilient_train.checkpoint.storage import fileio
+from resilient_train.checkpoint.storage.fileio import ALIGN, DirectWriter
 
 SMALL = 64 << 10  # a small buffer, so a few MiB cross many buffer boundaries
 

@@ -69,7 +69,7 @@ def start(tmp: Path, name: str, *launcher_args: str, script_args: tuple[str, ...
     with open(log, "wb") as out:
         proc = subprocess.Popen(
             [*(["nice", "-n", str(nice)] if nice else []),
-             sys.executable, "-m", "resilient_train.cli", "launch", "--workers", str(workers),
+             sys.executable, "-m", "resilient_train.cli.main", "launch", "--workers", str(workers),
              "--job-dir", str(job_dir), "--grace", "20s", *launcher_args, "--",
              sys.executable, str(ROOT / "examples" / "train_charlm.py"), "--steps", str(STEPS),
              "--save-every", "10", "--step-time", str(step_time), *MODEL_ARGS, *script_args],

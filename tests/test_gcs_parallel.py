@@ -21,21 +21,19 @@ from typing import Any, ClassVar
 import pytest
 import torch
 
-from resilient_train import cli
 from resilient_train.checkpoint import manager as manager_mod
 from resilient_train.checkpoint import progress as progress_mod
-from resilient_train.checkpoint import storage as storage_mod
-from resilient_train.checkpoint import storage_fsspec
-from resilient_train.checkpoint.directory import (
+from resilient_train.checkpoint.commit.directory import (
     SHARED_FILE,
     read_manifest,
     scan,
     verify_step,
 )
-from resilient_train.checkpoint.fileio import PartBuffers
+from resilient_train.checkpoint.commit.manifest import CorruptCheckpointError
 from resilient_train.checkpoint.manager import CheckpointManager, CheckpointOptions
-from resilient_train.checkpoint.manifest import CorruptCheckpointError
-from resilient_train.checkpoint.storage import (
+from resilient_train.checkpoint.storage import base as storage_mod
+from resilient_train.checkpoint.storage import objectstore as storage_fsspec
+from resilient_train.checkpoint.storage.base import (
     TMP_FILE_PREFIX,
     Budget,
     RetryOptions,
@@ -44,8 +42,10 @@ from resilient_train.checkpoint.storage import (
     StoragePermissionError,
     StorageUnavailableError,
 )
-from resilient_train.checkpoint.storage_fsspec import FsspecStorage, TransferOptions
-from resilient_train.checkpoint.storage_gcs import DEFAULT_GCS_TRANSFER, GcsStorage
+from resilient_train.checkpoint.storage.fileio import PartBuffers
+from resilient_train.checkpoint.storage.gcs import DEFAULT_GCS_TRANSFER, GcsStorage
+from resilient_train.checkpoint.storage.objectstore import FsspecStorage, TransferOptions
+from resilient_train.cli import main as cli
 from resilient_train.errors import Classification, classify_exception
 
 PART = 64 << 10
@@ -244,7 +244,7 @@ def test_a_restore_reads_an_object_into_one_buffer_that_the_tensors_view(
     """Ranged reads land in place in one buffer, the tensors are views of it (no second
     copy of the file in memory), and a file of another size than the manifest's is
     corrupt whether it is shorter or longer."""
-    from resilient_train.checkpoint import loader
+    from resilient_train.checkpoint.commit import loader
 
     st = _remote("memory://rt-read-into/run", retry=FAST, storage_options={
         "transfer": {"read_streams": STREAMS, "read_part_bytes": 4096}})

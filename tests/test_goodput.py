@@ -17,10 +17,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from resilient_train import cli
 from resilient_train.checkpoint.manager import CheckpointManager, CheckpointOptions
-from resilient_train.goodput import account
-from resilient_train.telemetry import Segment, Telemetry, read_life, read_step
+from resilient_train.cli import main as cli
+from resilient_train.observe.goodput import account
+from resilient_train.observe.telemetry import Segment, Telemetry, read_life, read_step
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -59,7 +59,7 @@ def test_an_empty_job_is_all_startup() -> None:
 
 CHILD = """
 import sys, time
-from resilient_train.telemetry import Telemetry
+from resilient_train.observe.telemetry import Telemetry
 t = Telemetry(sys.argv[1])
 t.begin_segment(7)
 for done in range(8, 8 + int(sys.argv[2])):
@@ -194,7 +194,7 @@ def test_a_synthetic_job_with_scripted_faults_matches_its_oracle(
                ORACLE=str(oracle), STEPS=str(SYNTHETIC_STEPS), STEP_S="0.1")
     job_dir = tmp_path / "job"
     proc = subprocess.run(
-        [sys.executable, "-m", "resilient_train.cli", "launch", "--job-dir", str(job_dir),
+        [sys.executable, "-m", "resilient_train.cli.main", "launch", "--job-dir", str(job_dir),
          "--chaos", "kill@step15,preempt@step25/5s,internal@step35", "--",
          sys.executable, str(ROOT / "tests" / "runtime_workers" / "synthetic_goodput.py")],
         env=env, cwd=tmp_path, capture_output=True, text=True, timeout=240)

@@ -18,17 +18,17 @@ from typing import Any
 
 import pytest
 
-from resilient_train import cli
-from resilient_train.goodput import BADPUT_TYPES, Goodput, account
-from resilient_train.launcher import scalars as scalars_mod
-from resilient_train.launcher.scalars import (
+from resilient_train.cli import main as cli
+from resilient_train.observe import scalars as scalars_mod
+from resilient_train.observe.goodput import BADPUT_TYPES, Goodput, account
+from resilient_train.observe.scalars import (
     JobScalars,
     TensorBoardMode,
     TensorBoardUnavailable,
     open_scalars,
 )
-from resilient_train.tbevents import INSTALL_HINT, ScalarWriter, tensorboard_installed
-from resilient_train.telemetry import LifeTelemetry, Restore, Segment
+from resilient_train.observe.tbevents import INSTALL_HINT, ScalarWriter, tensorboard_installed
+from resilient_train.observe.telemetry import LifeTelemetry, Restore, Segment
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -278,7 +278,7 @@ def test_a_launched_job_writes_scalars_that_read_back_as_its_record(tmp_path: Pa
     env = dict(os.environ, RESILIENT_TRAIN_QUOTA_DIR=str(tmp_path / "quota"),
                ORACLE=str(tmp_path / "oracle.jsonl"), STEPS=str(STEPS), STEP_S=str(STEP_S))
     proc = subprocess.run(
-        [sys.executable, "-m", "resilient_train.cli", "launch", "--job-dir", str(job_dir),
+        [sys.executable, "-m", "resilient_train.cli.main", "launch", "--job-dir", str(job_dir),
          "--quiet", "--tensorboard", "on", "--chaos", "kill@step15", "--",
          sys.executable, str(ROOT / "tests" / "runtime_workers" / "synthetic_goodput.py")],
         env=env, cwd=tmp_path, capture_output=True, text=True, timeout=240, check=False)
@@ -329,7 +329,7 @@ def test_a_launched_job_writes_scalars_that_read_back_as_its_record(tmp_path: Pa
 
 
 def _epoch(iso: str) -> float:
-    from resilient_train.launcher.events import epoch
+    from resilient_train.observe.events import epoch
 
     value = epoch(iso)
     assert value is not None

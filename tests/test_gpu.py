@@ -19,8 +19,8 @@ import pytest
 import torch
 
 import resilient_train as rt
-from resilient_train.checkpoint.state import HostSnapshot
-from resilient_train.ports import free_port
+from resilient_train.checkpoint.state.capture import HostSnapshot
+from resilient_train.launcher.ports import free_port
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -39,7 +39,7 @@ def _launch(tmp: Path, *args: str, code: str) -> tuple[int, dict, str]:
     script = tmp / "worker.py"
     script.write_text(textwrap.dedent(code))
     job_dir = tmp / "job"
-    proc = _run([PY, "-m", "resilient_train.cli", "launch", "--job-dir", str(job_dir),
+    proc = _run([PY, "-m", "resilient_train.cli.main", "launch", "--job-dir", str(job_dir),
                  "--timeout", "240s", *args, "--", PY, str(script)], tmp)
     record = json.loads((job_dir / "job.json").read_text())
     return proc.returncode, record, proc.stdout + proc.stderr

@@ -29,7 +29,7 @@ from resilient_train.launcher.job import (
     StopWorkers,
 )
 from resilient_train.launcher.messages import JobState
-from resilient_train.launcher.policy import (
+from resilient_train.platform.rules import (
     JOB_SCOPE,
     Cause,
     Strategy,
@@ -875,7 +875,7 @@ def test_spot_preemption_budget_exhausted_fails_with_the_stockout_message() -> N
 
 
 def test_the_strategy_alone_selects_the_platform_table() -> None:
-    from resilient_train.launcher.policy import Action, Outcome
+    from resilient_train.platform.rules import Action, Outcome
 
     spot = JobConfig("j", replica_names(2), strategy=Strategy.SPOT).rules
     assert any(r.name == "spot-preemption" for r in spot.rules)

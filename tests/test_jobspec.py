@@ -19,11 +19,11 @@ from typing import Any
 import pytest
 import yaml
 
-from resilient_train import cli
-from resilient_train.launcher import platform_types
-from resilient_train.launcher.jobspec import JobSpecError, load_job_spec, parse_job_spec
-from resilient_train.launcher.policy import Strategy
-from resilient_train.launcher.resources import memory_limit_for
+from resilient_train.cli import main as cli
+from resilient_train.platform import aiplatform_types as platform_types
+from resilient_train.platform.jobspec import JobSpecError, load_job_spec, parse_job_spec
+from resilient_train.platform.resources import memory_limit_for
+from resilient_train.platform.rules import Strategy
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLE = ROOT / "examples" / "platform" / "custom_job.yaml"
@@ -247,7 +247,7 @@ LOAD_BOUNDED = """
 import resource, sys, time
 resource.setrlimit(resource.RLIMIT_AS, (1 << 30, 1 << 30))
 import yaml
-from resilient_train.launcher.jobspec import JobSpecError, load_job_spec
+from resilient_train.platform.jobspec import JobSpecError, load_job_spec
 t = time.monotonic()
 try:
     load_job_spec(sys.argv[1])
@@ -433,7 +433,7 @@ def test_cli_runs_a_two_pool_spec_end_to_end(tmp_path: Path) -> None:
     env = {**os.environ, "RESILIENT_TRAIN_QUOTA_DIR": str(tmp_path / "quota"),
            "RESILIENT_TRAIN_GPUS": "none"}
     proc = subprocess.run(
-        [sys.executable, "-m", "resilient_train.cli", "launch", "--job-spec", str(spec),
+        [sys.executable, "-m", "resilient_train.cli.main", "launch", "--job-spec", str(spec),
          "--job-dir", str(job_dir)],
         check=False, env=env, capture_output=True, text=True, timeout=60, cwd=tmp_path)
     assert proc.returncode == 0, proc.stdout + proc.stderr

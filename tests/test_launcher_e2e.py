@@ -6,9 +6,9 @@ Every test runs with its own quota ledger and a unique ``E2E_MARKER`` in the env
 that every worker and grandchild inherits; after each test no live process may still
 carry that marker.
 
-Most jobs run in-process through ``resilient_train.cli.main`` (cheap: no interpreter
+Most jobs run in-process through ``resilient_train.cli.main.main`` (cheap: no interpreter
 start for the launcher). Tests that signal the launcher, or run two launchers at once,
-start it as a real ``python -m resilient_train.cli`` process.
+start it as a real ``python -m resilient_train.cli.main`` process.
 """
 
 from __future__ import annotations
@@ -29,10 +29,10 @@ from typing import Any
 import psutil
 import pytest
 
-from resilient_train import cli
+from resilient_train.cli import main as cli
 from resilient_train.launcher import runner
-from resilient_train.launcher.record import read_job
-from resilient_train.telemetry import ObservedMtbf
+from resilient_train.observe.jobdir import read_job
+from resilient_train.observe.telemetry import ObservedMtbf
 
 WORKERS = Path(__file__).resolve().parent / "workers"
 REPO = Path(__file__).resolve().parents[1]
@@ -141,7 +141,7 @@ class E2E:
         """Start the launcher as its own process; its output goes to a file."""
         self._count += 1
         out = self.tmp / f"launcher-{name}-{self._count}.out"
-        argv = [PY, "-m", "resilient_train.cli",
+        argv = [PY, "-m", "resilient_train.cli.main",
                 *self.argv(list(args), script, list(script_args), name)]
         with open(out, "wb") as f:
             proc = subprocess.Popen(argv, stdout=f, stderr=subprocess.STDOUT, cwd=REPO)
@@ -931,7 +931,7 @@ def test_malformed_duration_or_size_says_what_is_expected(e2e: E2E, option: str,
 
 def test_bad_input_through_the_real_cli_process(e2e: E2E) -> None:
     result = subprocess.run(
-        [PY, "-m", "resilient_train.cli", "launch", "--chaos", "kill:workerpool3-0@1s",
+        [PY, "-m", "resilient_train.cli.main", "launch", "--chaos", "kill:workerpool3-0@1s",
          "--job-dir", str(e2e.tmp / "j"), "--", PY, "-c", "pass"],
         capture_output=True, text=True, timeout=WAIT_S, cwd=REPO, check=False)
     assert result.returncode == 2
@@ -944,7 +944,7 @@ def test_status_prints_state_attempts_and_error(e2e: E2E) -> None:
     status, _, _ = e2e.launch("--workers", "2", script="exit_code.py",
                               script_args=("3", "workerpool1-0"))
     assert status == 3
-    result = subprocess.run([PY, "-m", "resilient_train.cli", "status", str(e2e.job_dir())],
+    result = subprocess.run([PY, "-m", "resilient_train.cli.main", "status", str(e2e.job_dir())],
                             capture_output=True, text=True, timeout=WAIT_S, cwd=REPO, check=False)
     assert result.returncode == 0, result.stderr
     text = result.stdout
@@ -977,7 +977,7 @@ def test_a_gs_output_without_credentials_is_refused_before_anything_starts(
                NO_GCE_CHECK="true", RESILIENT_TRAIN_QUOTA_DIR=str(tmp_path / "quota"))
     job_dir = tmp_path / "job"
     done = subprocess.run(
-        [sys.executable, "-m", "resilient_train.cli", "launch", "--job-dir", str(job_dir),
+        [sys.executable, "-m", "resilient_train.cli.main", "launch", "--job-dir", str(job_dir),
          "--output-dir", "gs://e2e-bucket/run", "--", sys.executable, "-c", "pass"],
         env=env, capture_output=True, text=True, timeout=60, cwd=tmp_path)
     assert done.returncode == 2, done.stderr

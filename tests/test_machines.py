@@ -13,16 +13,16 @@ from typing import Any
 
 import pytest
 
-from resilient_train import cli
+from resilient_train.cli import main as cli
 from resilient_train.launcher.machines import Machines, new_vm_after
-from resilient_train.launcher.policy import Cause
+from resilient_train.platform.rules import Cause
 
 # A replica's life: say which of its three local places hold the file an earlier life (or
 # another replica) wrote, write it in all three, report step 1 once the other replica (if
 # any) has written too, then act out MODE on its first life and exit 0 on a later one.
 WORKER = textwrap.dedent("""\
     import json, os, pathlib, sys, tempfile, time
-    from resilient_train.telemetry import Telemetry
+    from resilient_train.observe.telemetry import Telemetry
     name = os.environ["RESILIENT_TRAIN_REPLICA"]
     life = (int(os.environ["RESILIENT_TRAIN_ATTEMPT"]), int(os.environ["RESILIENT_TRAIN_RESTART_COUNT"]))
     out = pathlib.Path(os.environ["T_OUT"])

@@ -15,8 +15,8 @@ import torch
 from jobs import assert_same_end, launch_job, the_recovery
 
 import resilient_train as rt
-from resilient_train.checkpoint.directory import SHARED_FILE
-from resilient_train.checkpoint.manifest import MARKER
+from resilient_train.checkpoint.commit.directory import SHARED_FILE
+from resilient_train.checkpoint.commit.manifest import MARKER
 
 HERE = Path(__file__).resolve().parent
 
@@ -135,9 +135,9 @@ def test_a_long_restore_from_the_machines_disk_says_how_far_it_has_got(
     # The node-local read was one checksum call over the whole memory map: tens of GB
     # with no line at all. It goes by chunks now, counted as any storage read is; the
     # checksum is held after its first chunk until a progress line has been logged.
-    from resilient_train.checkpoint import loader as loader_mod
     from resilient_train.checkpoint import progress as progress_mod
-    from resilient_train.checkpoint.storage import format_bytes
+    from resilient_train.checkpoint.commit import loader as loader_mod
+    from resilient_train.checkpoint.storage.base import format_bytes
 
     train(tmp_path, 7)
     monkeypatch.setattr(progress_mod, "AFTER_S", 0.05)
@@ -159,7 +159,7 @@ def test_a_long_restore_from_the_machines_disk_says_how_far_it_has_got(
     monkeypatch.setattr(loader_mod, "Crc32c", HeldCrc)
     shown = Shown()
     logging.getLogger("resilient_train").addHandler(shown)
-    caplog.set_level(logging.INFO, logger="resilient_train.checkpoint.nodelocal")
+    caplog.set_level(logging.INFO, logger="resilient_train.checkpoint.tiers.nodelocal")
     try:
         mgr = train(tmp_path, 0)
     finally:
@@ -189,8 +189,8 @@ def test_node_local_options_say_what_is_wrong() -> None:
 
 
 def test_auto_cadence_sends_to_storage_as_often_as_its_cost_allows() -> None:
-    from resilient_train.checkpoint.nodelocal import MAX_PERSISTENT_EVERY
-    from resilient_train.checkpoint.nodelocal import persistent_every_auto as k
+    from resilient_train.checkpoint.tiers.nodelocal import MAX_PERSISTENT_EVERY
+    from resilient_train.checkpoint.tiers.nodelocal import persistent_every_auto as k
 
     day, four_hours = 86400.0, 14400.0
     # A storage write that fits between two saves costs the loop nothing: every save.
@@ -211,7 +211,7 @@ def test_auto_cadence_measures_both_tiers_first_then_spaces_storage(tmp_path: Pa
     """With steps that cost nothing, a storage write (fsync'd files, manifest and marker)
     is always longer than the training between two saves: after the first save, which
     goes to both tiers and measures them, storage gets fewer saves than the machine."""
-    caplog.set_level("INFO", logger="resilient_train.checkpoint.nodelocal")
+    caplog.set_level("INFO", logger="resilient_train.checkpoint.tiers.nodelocal")
     torch.manual_seed(0)
     model = torch.nn.Linear(64, 64)
     mgr = rt.CheckpointManager(tmp_path / "persistent", options=rt.CheckpointOptions(

@@ -16,9 +16,10 @@ import pytest
 import torch
 
 import resilient_train as rt
-from resilient_train.checkpoint.directory import scan
+from resilient_train.checkpoint.commit.directory import scan
+from resilient_train.checkpoint.commit.retention import RetentionPolicy
 from resilient_train.checkpoint.manager import CheckpointManager, CheckpointOptions
-from resilient_train.checkpoint.policy import (
+from resilient_train.checkpoint.schedule.policies import (
     FOUR_HOURS,
     SaveContext,
     SavePolicy,
@@ -27,7 +28,6 @@ from resilient_train.checkpoint.policy import (
     every_n_steps,
     never,
 )
-from resilient_train.checkpoint.retention import RetentionPolicy
 from resilient_train.runtime import Context, MainOptions
 
 

@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 
 import resilient_train as rt
-from resilient_train.checkpoint.state import HostSnapshot
+from resilient_train.checkpoint.state.capture import HostSnapshot
 
 
 def make() -> tuple[torch.nn.Module, torch.optim.Optimizer]:

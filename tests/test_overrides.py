@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import resilient_train as rt
-from resilient_train.checkpoint.overrides import overridden
+from resilient_train.checkpoint.state.overrides import overridden
 
 LOGGER = "resilient_train.checkpoint.manager"
 Build = Callable[[torch.nn.Module], tuple[torch.optim.Optimizer, Any]]

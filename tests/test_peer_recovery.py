@@ -1,4 +1,4 @@
-"""Recovery from live peers (checkpoint/peers.py, transfer.py): the plan every rank computes,
+"""Recovery from live peers (checkpoint/peers.py, transport/transfer.py): the plan every rank computes,
 the state moved between real processes over gloo, and a 3-worker job under the launcher
 that loses a worker, then its primary, then the whole attempt, and ends with the weights,
 RNG streams and values of a run that never failed, having read no storage for the first
@@ -19,27 +19,21 @@ from jobs import assert_same_end, launch_job, the_recovery
 from lives import Life, run_lives
 
 from resilient_train import sigterm
-from resilient_train.checkpoint.directory import (
+from resilient_train.checkpoint.commit.directory import (
     SHARED_FILE,
     find_committed,
     rank_file,
     read_manifest,
 )
-from resilient_train.checkpoint.early import Early
-from resilient_train.checkpoint.recovery_plan import (
-    NoPlan,
-    Plan,
-    Recovered,
-    Report,
-    plan,
-)
-from resilient_train.checkpoint.recovery_plan import dumps_rank_state as _dumps
-from resilient_train.checkpoint.recovery_plan import loads_rank_state as _loads
-from resilient_train.checkpoint.ringlink import ring_order
-from resilient_train.checkpoint.state import capture_rng
-from resilient_train.checkpoint.storage import Storage
+from resilient_train.checkpoint.state.capture import capture_rng
+from resilient_train.checkpoint.storage.base import Storage
+from resilient_train.checkpoint.tiers.early import Early
+from resilient_train.checkpoint.tiers.plan import NoPlan, Plan, Recovered, Report, plan
+from resilient_train.checkpoint.tiers.plan import dumps_rank_state as _dumps
+from resilient_train.checkpoint.tiers.plan import loads_rank_state as _loads
+from resilient_train.checkpoint.transport.ringlink import ring_order
 from resilient_train.distributed.errors import StopRequestedError
-from resilient_train.ports import free_port
+from resilient_train.launcher.ports import free_port
 
 HERE = Path(__file__).resolve().parent
 
@@ -132,7 +126,7 @@ def test_a_handed_over_state_is_copied_only_while_its_objects_live_on() -> None:
     import gc
     import weakref
 
-    from resilient_train.checkpoint.peers import PeerMemory
+    from resilient_train.checkpoint.tiers.peers import PeerMemory
 
     def handed_over(model: torch.nn.Module) -> PeerMemory:
         m = PeerMemory(replicated={"model": model.state_dict()}, replicated_step=7)
@@ -158,8 +152,8 @@ def test_a_handed_over_state_is_copied_only_while_its_objects_live_on() -> None:
 
 
 def test_shard_copies_count_only_after_a_hand_over_of_the_same_directory() -> None:
-    from resilient_train.checkpoint import shard_copies
-    from resilient_train.checkpoint.peers import PeerMemory
+    from resilient_train.checkpoint.tiers import shards as shard_copies
+    from resilient_train.checkpoint.tiers.peers import PeerMemory
 
     m = PeerMemory()
     shard_copies.keep(m, "gs://b/run", 10, b"own10", b"prev10", 2, 100.0)

@@ -19,9 +19,9 @@ from typing import Any
 import pytest
 import yaml
 
-from resilient_train import cli
-from resilient_train.launcher import platform_types
-from resilient_train.launcher.jobspec import _FIELDS, _USED, JobSpecError, parse_job_spec
+from resilient_train.cli import main as cli
+from resilient_train.platform import aiplatform_types as platform_types
+from resilient_train.platform.jobspec import _FIELDS, _USED, JobSpecError, parse_job_spec
 
 pytest.importorskip("google.cloud.aiplatform_v1")
 
@@ -162,7 +162,7 @@ def test_without_the_extra_the_launcher_uses_its_own_tables() -> None:
 
         sys.meta_path.insert(0, NoCloud())
         from resilient_train.launcher import platform_types
-        from resilient_train.launcher.jobspec import JobSpecError, parse_job_spec
+        from resilient_train.platform.jobspec import JobSpecError, parse_job_spec
 
         assert not platform_types.available()
         assert platform_types.known_fields("MachineSpec") is None

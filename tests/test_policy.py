@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from resilient_train.launcher.policy import (
+from resilient_train.platform.rules import (
     JOB_SCOPE,
     WORKER_SCOPE,
     Action,

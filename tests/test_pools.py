@@ -13,9 +13,9 @@ from typing import Any
 import pytest
 import yaml
 
-from resilient_train.launcher.jobspec import JobSpecError, parse_job_spec
-from resilient_train.launcher.programs import plan_pools
-from resilient_train.launcher.resources import memory_limit_for
+from resilient_train.platform.jobspec import JobSpecError, parse_job_spec
+from resilient_train.platform.programs import plan_pools
+from resilient_train.platform.resources import memory_limit_for
 
 REDUCTION_SERVER = "us-docker.pkg.dev/vertex-ai-restricted/training/reductionserver:latest"
 
@@ -169,7 +169,7 @@ def test_a_four_pool_spec_runs_each_pools_own_program(tmp_path: Path) -> None:
     env = {**os.environ, "RESILIENT_TRAIN_QUOTA_DIR": str(tmp_path / "quota"),
            "RESILIENT_TRAIN_GPUS": "none"}
     proc = subprocess.run(
-        [python, "-m", "resilient_train.cli", "launch", "--job-spec", str(spec),
+        [python, "-m", "resilient_train.cli.main", "launch", "--job-spec", str(spec),
          "--job-dir", str(job_dir)],
         check=False, env=env, capture_output=True, text=True, timeout=60, cwd=tmp_path)
     assert proc.returncode == 0, proc.stdout + proc.stderr

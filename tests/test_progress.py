@@ -7,7 +7,7 @@ import pytest
 from test_distributed_init import FakeClock
 from test_launcher_e2e import E2E, PY, e2e  # noqa: F401
 
-from resilient_train.launcher.progress import ConsoleLines
+from resilient_train.launcher.console import ConsoleLines
 
 
 def test_a_bar_shows_its_latest_update_every_interval_and_its_last_at_the_newline() -> None:

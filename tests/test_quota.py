@@ -12,13 +12,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from resilient_train.launcher.quota import (
-    Capacity,
-    Lease,
-    LocalQuota,
-    Request,
-    default_quota_dir,
-)
+from resilient_train.launcher.quota import Capacity, Lease, LocalQuota, Request, default_quota_dir
 
 REPO = Path(__file__).resolve().parents[1]
 CAP = Capacity(gpu_ids=(0, 1, 2, 3), cpu_slots=8)

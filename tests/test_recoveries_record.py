@@ -18,14 +18,13 @@ from typing import Any
 
 import pytest
 
-from resilient_train import telemetry as tel
-from resilient_train.cli import main
+from resilient_train.cli.main import main
 from resilient_train.launcher import jobrecord
-from resilient_train.launcher.events import Event, EventKind, iso
 from resilient_train.launcher.job import JobConfig, JobMachine, StartWorker
 from resilient_train.launcher.jobrecord import JobRecord
-from resilient_train.launcher.policy import Cause
-from resilient_train.launcher.record import (
+from resilient_train.observe import telemetry as tel
+from resilient_train.observe.events import Event, EventKind, iso
+from resilient_train.observe.jobdir import (
     TelemetryLife,
     describe_recovery,
     job_recoveries,
@@ -34,8 +33,9 @@ from resilient_train.launcher.record import (
     telemetry_lives,
     telemetry_prefix,
 )
-from resilient_train.report import write_report
-from resilient_train.telemetry import LifeReader, LifeTelemetry, Restore, read_life
+from resilient_train.observe.report import write_report
+from resilient_train.observe.telemetry import LifeReader, LifeTelemetry, Restore, read_life
+from resilient_train.platform.rules import Cause
 
 P0, P1, P2 = "workerpool0-0", "workerpool1-0", "workerpool1-1"
 MIB = 1 << 20

@@ -20,7 +20,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from resilient_train.ports import free_port
+from resilient_train.launcher.ports import free_port
 
 HERE = Path(__file__).resolve().parent
 PHASE_SURVIVOR = HERE / "init_workers" / "phase_survivor.py"
@@ -80,7 +80,7 @@ def test_a_rank_lost_while_the_group_first_connects_does_not_poison_the_next_for
     # the restarted rank wrote under another number, until the join timeout and a job retry.
     job_dir = tmp_path / "job"
     proc = subprocess.run(
-        [sys.executable, "-m", "resilient_train.cli", "launch", "--workers", "3",
+        [sys.executable, "-m", "resilient_train.cli.main", "launch", "--workers", "3",
          "--job-dir", str(job_dir), "--timeout", "150s", "--",
          sys.executable, str(HERE / "workers" / "dies_forming.py")],
         env=dict(os.environ, RESILIENT_TRAIN_QUOTA_DIR=str(tmp_path / "quota"),

@@ -16,11 +16,11 @@ from typing import Any
 
 import pytest
 
-from resilient_train.cli import main
+from resilient_train.cli.main import main
 from resilient_train.launcher.job import iso
-from resilient_train.launcher.record import telemetry_prefix
-from resilient_train.report import ReportError, render_report, write_report
-from resilient_train.telemetry import Telemetry
+from resilient_train.observe.jobdir import telemetry_prefix
+from resilient_train.observe.report import ReportError, render_report, write_report
+from resilient_train.observe.telemetry import Telemetry
 
 ROOT = Path(__file__).resolve().parents[1]
 SVG = "{http://www.w3.org/2000/svg}"
@@ -258,7 +258,7 @@ _WORKER = """
 import os, sys, time
 from collections.abc import Sequence
 from pathlib import Path
-from resilient_train.telemetry import Telemetry
+from resilient_train.observe.telemetry import Telemetry
 
 steps, step_s = int(sys.argv[1]), float(sys.argv[2])
 ckpt = Path(os.environ["AIP_CHECKPOINT_DIR"])
@@ -287,13 +287,13 @@ def test_report_of_a_real_launcher_job(tmp_path: Path) -> None:
     job_dir = tmp_path / "job"
     env = {**os.environ, "RESILIENT_TRAIN_QUOTA_DIR": str(tmp_path / "quota")}
     launch = subprocess.run(
-        [sys.executable, "-m", "resilient_train.cli", "launch", "--workers", "2",
+        [sys.executable, "-m", "resilient_train.cli.main", "launch", "--workers", "2",
          "--job-dir", str(job_dir), "--quiet", "--grace", "1s",
          "--chaos", f"kill:{P1}@1s,maintenance:{P0}@2s/1s",
          "--", sys.executable, str(worker), "60", "0.05"],
         env=env, cwd=tmp_path, capture_output=True, text=True, timeout=120, check=False)
     assert launch.returncode == 0, launch.stdout + launch.stderr
-    out = subprocess.run([sys.executable, "-m", "resilient_train.cli", "report", str(job_dir)],
+    out = subprocess.run([sys.executable, "-m", "resilient_train.cli.main", "report", str(job_dir)],
                          capture_output=True, text=True, timeout=60, check=False)
     assert out.returncode == 0, out.stderr
     path = Path(out.stdout.strip())

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from resilient_train.launcher.resources import (
+from resilient_train.platform.resources import (
     MACHINE_TYPES,
     GiB,
     MiB,

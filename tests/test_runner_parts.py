@@ -19,20 +19,20 @@ import pytest
 from resilient_train.launcher import faults as faults_mod
 from resilient_train.launcher.capacity import CapacityLease
 from resilient_train.launcher.chaos import ChaosSchedule, FaultKind, parse_chaos
-from resilient_train.launcher.events import EventKind
 from resilient_train.launcher.exits import ProcessExit
 from resilient_train.launcher.faults import Faults
 from resilient_train.launcher.job import JobConfig, JobMachine, StopWorkers
 from resilient_train.launcher.jobrecord import job_spec, launcher_alive
 from resilient_train.launcher.memory import MemoryLimit
 from resilient_train.launcher.messages import JobState
-from resilient_train.launcher.policy import Cause
-from resilient_train.launcher.programs import PoolProgram
 from resilient_train.launcher.quota import Capacity, LocalQuota, Request
-from resilient_train.launcher.resources import process_start_time
 from resilient_train.launcher.runner import Launcher, LaunchOptions
 from resilient_train.launcher.workerenv import JobEnv, replicas_for, worker_env
-from resilient_train.telemetry import FAILURES_ENV
+from resilient_train.observe.events import EventKind
+from resilient_train.observe.telemetry import FAILURES_ENV
+from resilient_train.platform.programs import PoolProgram
+from resilient_train.platform.resources import process_start_time
+from resilient_train.platform.rules import Cause
 
 T0 = 1_700_000_000.0
 PRIMARY, W1 = "workerpool0-0", "workerpool1-0"

@@ -13,9 +13,9 @@ import pytest
 import torch
 from lives import Life, run_lives
 
-from resilient_train.checkpoint.directory import scan
-from resilient_train.checkpoint.storage import Storage
-from resilient_train.ports import free_port
+from resilient_train.checkpoint.commit.directory import scan
+from resilient_train.checkpoint.storage.base import Storage
+from resilient_train.launcher.ports import free_port
 
 SCRIPT = Path(__file__).parent / "runtime_workers" / "train_simple.py"
 
@@ -144,7 +144,7 @@ def test_named_barriers_meet_again_after_an_in_process_recovery(tmp_path: Path) 
                RESILIENT_TRAIN_QUOTA_DIR=str(tmp_path / "quota"))
     job_dir = tmp_path / "job"
     proc = subprocess.run(
-        [sys.executable, "-m", "resilient_train.cli", "launch", "--job-dir", str(job_dir),
+        [sys.executable, "-m", "resilient_train.cli.main", "launch", "--job-dir", str(job_dir),
          "--workers", "2", "--chaos", "kill:workerpool1-0@step25", "--timeout", "150s", "--",
          sys.executable, str(SCRIPT)],
         env=env, text=True, capture_output=True, timeout=240, check=False)

@@ -1,11 +1,11 @@
 """Secrets in what the launcher records: which names are secret, and how a command line
-is masked (resilient_train/launcher/record.py: one function for job.json and the report)."""
+is masked (resilient_train/observe/jobdir.py: one function for job.json and the report)."""
 
 from __future__ import annotations
 
 import pytest
 
-from resilient_train.launcher.record import SECRET_MASK, is_secret_name, mask_command
+from resilient_train.observe.jobdir import SECRET_MASK, is_secret_name, mask_command
 
 
 @pytest.mark.parametrize("name", [

@@ -25,9 +25,9 @@ import psutil
 import pytest
 import torch
 
-from resilient_train.checkpoint.directory import scan, verify_step
-from resilient_train.checkpoint.storage import Storage
-from resilient_train.ports import free_port
+from resilient_train.checkpoint.commit.directory import scan, verify_step
+from resilient_train.checkpoint.storage.base import Storage
+from resilient_train.launcher.ports import free_port
 
 SCRIPT = Path(__file__).parent / "runtime_workers" / "signals_loader.py"
 BATCH = 4      # the script's batch size

@@ -24,7 +24,7 @@ import pytest
 from jobs import assert_same_end, launch_job, the_recovery
 
 from resilient_train.cluster import cluster_spec_json
-from resilient_train.spawn import SpawnError, count_gpus, parse_nproc, process_envs
+from resilient_train.spawn.agent import SpawnError, count_gpus, parse_nproc, process_envs
 
 HERE = Path(__file__).resolve().parent
 CLUSTER = {"workerpool0": ["h0:2222"], "workerpool1": ["h1:2222"],
@@ -137,7 +137,7 @@ def _spawn(tmp_path: Path, behaviours: list[str], *extra: str) -> subprocess.Pop
     for k in ("LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "CLUSTER_SPEC", "TF_CONFIG"):
         env.pop(k, None)
     return subprocess.Popen(
-        [sys.executable, "-m", "resilient_train.cli", "spawn", "--nproc-per-node",
+        [sys.executable, "-m", "resilient_train.cli.main", "spawn", "--nproc-per-node",
          str(len(behaviours)), *extra, "--", sys.executable, str(tmp_path / "child.py"),
          str(tmp_path), json.dumps(behaviours)],
         env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -198,7 +198,7 @@ def test_the_processes_lines_never_mix(tmp_path: Path) -> None:
     env = dict(os.environ, RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
                MASTER_PORT="29999", PYTHONUNBUFFERED="1")
     done = subprocess.run(
-        [sys.executable, "-m", "resilient_train.cli", "spawn", "--nproc-per-node", "3", "--",
+        [sys.executable, "-m", "resilient_train.cli.main", "spawn", "--nproc-per-node", "3", "--",
          sys.executable, str(tmp_path / "printer.py")],
         env=env, capture_output=True, timeout=120, check=False)   # bytes: \r kept
     stdout, stderr = done.stdout.decode(), done.stderr.decode()
@@ -215,10 +215,10 @@ def test_the_processes_lines_never_mix(tmp_path: Path) -> None:
 
 
 def test_without_a_command_spawn_says_how_to_call_it(tmp_path: Path) -> None:
-    done = subprocess.run([sys.executable, "-m", "resilient_train.cli", "spawn"],
+    done = subprocess.run([sys.executable, "-m", "resilient_train.cli.main", "spawn"],
                           capture_output=True, text=True, timeout=60, check=False)
     assert done.returncode == 2 and "spawn needs a command" in done.stderr, done.stderr
-    done = subprocess.run([sys.executable, "-m", "resilient_train.cli", "spawn", "--",
+    done = subprocess.run([sys.executable, "-m", "resilient_train.cli.main", "spawn", "--",
                            "no-such-program-here"], capture_output=True, text=True,
                           timeout=60, check=False, env=dict(os.environ, RANK="0",
                                                             WORLD_SIZE="1"))
@@ -237,7 +237,7 @@ def test_a_first_machine_moved_for_maintenance_rejoins_and_ends_bitwise(
     process resumes from memory (its shards from the other machine), and the run ends
     bitwise equal to one without faults."""
     monkeypatch.setenv("PEER_DDP_FSDP", "1")
-    script = ["-m", "resilient_train.cli", "spawn", "--nproc-per-node", "2", "--",
+    script = ["-m", "resilient_train.cli.main", "spawn", "--nproc-per-node", "2", "--",
               sys.executable, str(HERE / "workers" / "peer_ddp.py"), "60", "10", "0.03"]
     _, _, clean = launch_job(tmp_path, "clean", 2, [], script)
     job, out, faulted = launch_job(tmp_path, "spawned", 2,
@@ -255,11 +255,11 @@ def test_a_first_machine_moved_for_maintenance_rejoins_and_ends_bitwise(
 def test_a_bug_in_one_process_fails_the_job_with_its_own_message(tmp_path: Path) -> None:
     """Each process writes its own error report, and the failed one's becomes the
     replica's: the job record says which bug it was, as with one process per replica."""
-    script = ["-m", "resilient_train.cli", "spawn", "--nproc-per-node", "2", "--",
+    script = ["-m", "resilient_train.cli.main", "spawn", "--nproc-per-node", "2", "--",
               sys.executable, str(HERE.parent / "examples" / "train_charlm.py"),
               "--steps", "50", "--bug-at-step", "5"]
     proc = subprocess.run(
-        [sys.executable, "-m", "resilient_train.cli", "launch", "--workers", "2",
+        [sys.executable, "-m", "resilient_train.cli.main", "launch", "--workers", "2",
          "--job-dir", str(tmp_path / "job"), "--", sys.executable, *script],
         env=dict(os.environ, RESILIENT_TRAIN_QUOTA_DIR=str(tmp_path / "quota")),
         cwd=tmp_path, capture_output=True, text=True, timeout=300, check=False)

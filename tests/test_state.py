@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 import torch
 
-from resilient_train.checkpoint.state import (
+from resilient_train.checkpoint.state.capture import (
     HostSnapshot,
     RngState,
     Stateful,
@@ -88,7 +88,7 @@ def test_numpy_rng_is_read_again_exactly_when_it_may_have_moved() -> None:
     position are unchanged (peer recovery reads it twice a step); a cached Gaussian, which
     the next draw consumes without moving them, and a restore are never taken for
     unchanged."""
-    from resilient_train.checkpoint import state as state_mod
+    from resilient_train.checkpoint.state import capture as state_mod
 
     def numpy_now() -> tuple[Any, ...]:
         _, key, pos, has_gauss, cached = np.random.get_state(legacy=True)
@@ -566,7 +566,7 @@ def test_keys_that_differ_by_a_wrapper_prefix_load(
     torch.nn.init.zeros_(dst.lin.weight)
     saved = (Wrapper(src) if wrapped_side == "checkpoint" else src).state_dict()
     into = Wrapper(dst) if wrapped_side == "model" else dst
-    with caplog.at_level(logging.INFO, logger="resilient_train.checkpoint.state"):
+    with caplog.at_level(logging.INFO, logger="resilient_train.checkpoint.state.capture"):
         restore({"model": into}, {"model": saved})
     for k, v in src.state_dict().items():
         assert torch.equal(dst.state_dict()[k], v), k

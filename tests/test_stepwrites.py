@@ -13,11 +13,7 @@ import pytest
 import torch
 from torch import nn
 
-from resilient_train.checkpoint.stepwrites import (
-    StepWrites,
-    current_buffers,
-    put_buffers,
-)
+from resilient_train.checkpoint.state.stepwrites import StepWrites, current_buffers, put_buffers
 
 
 def bn_model() -> nn.Module:
@@ -191,13 +187,13 @@ def test_a_tracked_scalers_step_is_unwrapped_when_its_manager_closes(tmp_path: P
 def _told(key: str) -> Iterator[list[str]]:
     """What checkpoint/advice.py tells the script meanwhile, with ``key`` (said once per
     process) unsaid first."""
-    from resilient_train.checkpoint import advice
+    from resilient_train import lifecycle
 
-    advice._SAID.discard(key)
+    lifecycle.unsay(key)
     records: list[str] = []
     handler = logging.Handler()
     handler.emit = lambda r: records.append(r.getMessage())  # type: ignore[method-assign]
-    logger = logging.getLogger("resilient_train.checkpoint.advice")
+    logger = logging.getLogger("resilient_train.checkpoint.state.advice")
     logger.addHandler(handler)
     try:
         yield records
@@ -361,7 +357,7 @@ def test_one_object_tracked_under_two_names_is_named_once(
 
     model = nn.Linear(4, 1)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    with caplog.at_level(logging.WARNING, logger="resilient_train.checkpoint.advice"), \
+    with caplog.at_level(logging.WARNING, logger="resilient_train.checkpoint.state.advice"), \
             CheckpointManager(tmp_path / "ckpt") as mgr:
         mgr.track(model=model, optimizer=opt)
         mgr.track(wrapped=nn.DataParallel(model))   # the module underneath: the same one

@@ -21,8 +21,8 @@ import pytest
 from fsspec.implementations.memory import MemoryFileSystem
 from gcs import RESET, FaultProxy, free_port
 
-from resilient_train.checkpoint import storage as storage_mod
-from resilient_train.checkpoint.storage import (
+from resilient_train.checkpoint.storage import base as storage_mod
+from resilient_train.checkpoint.storage.base import (
     PROBE_PREFIX,
     TMP_FILE_PREFIX,
     ErrorKind,
@@ -34,7 +34,7 @@ from resilient_train.checkpoint.storage import (
     StorageUnavailableError,
     classify_error,
 )
-from resilient_train.checkpoint.storage_gcs import GCSFS_HNS_ENV, uses_gcs_emulator
+from resilient_train.checkpoint.storage.gcs import GCSFS_HNS_ENV, uses_gcs_emulator
 from resilient_train.errors import Classification, classify_exception
 
 FAST = RetryOptions(deadline_s=30.0, initial_s=0.01, max_wait_s=0.1)
@@ -421,7 +421,7 @@ import os, sys, time
 if sys.argv[1] == "gcsfs-first":
     import gcsfs, gcsfs.core  # imported before us, with gcsfs's default (experimental on)
     assert gcsfs.GCSFileSystem is not gcsfs.core.GCSFileSystem
-from resilient_train.checkpoint.storage import Storage
+from resilient_train.checkpoint.storage.base import Storage
 st = Storage("gs://" + sys.argv[3], storage_options={"endpoint_url": sys.argv[2]})
 t0 = time.monotonic()
 st.write_bytes("a", b"1")
@@ -624,7 +624,7 @@ def test_storage_module_does_not_import_gcsfs_for_local_paths() -> None:
     import subprocess
     import sys
 
-    code = ("import sys; from resilient_train.checkpoint.storage import Storage; "
+    code = ("import sys; from resilient_train.checkpoint.storage.base import Storage; "
             "Storage('/tmp/x'); print('gcsfs' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          check=True)

@@ -17,7 +17,7 @@ import fsspec
 import fsspec.core
 import pytest
 
-from resilient_train.checkpoint.storage import (
+from resilient_train.checkpoint.storage.base import (
     DEFAULT_OBJECT_STORE_MOUNTS,
     Budget,
     Capabilities,
@@ -35,8 +35,8 @@ from resilient_train.checkpoint.storage import (
     register_backend,
     split_protocol,
 )
-from resilient_train.checkpoint.storage_fsspec import FsspecStorage
-from resilient_train.checkpoint.storage_gcs import GcsStorage, _refused
+from resilient_train.checkpoint.storage.gcs import GcsStorage, _refused
+from resilient_train.checkpoint.storage.objectstore import FsspecStorage
 
 FAST = RetryOptions(deadline_s=5.0, initial_s=0.001, max_wait_s=0.01)
 

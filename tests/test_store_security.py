@@ -26,8 +26,8 @@ import pytest
 
 from resilient_train.distributed import DistributedConfigError, storeauth
 from resilient_train.distributed.rendezvous import Rendezvous
+from resilient_train.launcher.ports import free_port
 from resilient_train.launcher.workerenv import SECRET_ENV, JobEnv, Replica, worker_env
-from resilient_train.ports import free_port
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"),
                                 reason="the socket filter and the peer check are Linux's")

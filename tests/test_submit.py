@@ -28,9 +28,9 @@ grpc = pytest.importorskip("grpc")
 from fake_jobservice import FAILS, SUCCEEDS, FakeJobService
 from test_export import IMAGE, _record, four_pool_spec
 
-from resilient_train import cli
-from resilient_train.launcher import vertex
-from resilient_train.launcher.platform_types import custom_job_message
+from resilient_train.cli import main as cli
+from resilient_train.platform import submit as vertex
+from resilient_train.platform.aiplatform_types import custom_job_message
 
 PROJECT, REGION = "proj-7", "us-central1"
 WHERE = ["--project", PROJECT, "--region", REGION]
@@ -202,7 +202,7 @@ def test_submit_wait_as_a_real_command(tmp_path: Path, fake: FakeJobService) -> 
     fake.script, fake.error = FAILS, FAILURE
     env = {**os.environ, vertex.ENDPOINT_ENV: fake.endpoint, "GOOGLE_CLOUD_PROJECT": PROJECT}
     done = subprocess.run(
-        [sys.executable, "-m", "resilient_train.cli", "submit", "--image", IMAGE,
+        [sys.executable, "-m", "resilient_train.cli.main", "submit", "--image", IMAGE,
          "--region", REGION, "--output-dir", "gs://bucket/run", "--wait", "--interval", "0.05",
          "--", "python", "train.py"],
         capture_output=True, text=True, timeout=120, check=False, cwd=tmp_path, env=env)
@@ -309,7 +309,7 @@ class _NotInstalled:
         return None
 
 sys.meta_path.insert(0, _NotInstalled())
-from resilient_train.cli import main
+from resilient_train.cli.main import main
 sys.exit(main(sys.argv[1:]))
 """
 

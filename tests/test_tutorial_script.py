@@ -28,7 +28,7 @@ def _launch(tmp_path: Path, *extra: str, timeout: str = "150s"
     env = {**os.environ, "RESILIENT_TRAIN_QUOTA_DIR": str(tmp_path / "quota"),
            "RESILIENT_TRAIN_GPUS": "none"}
     proc = subprocess.Popen(
-        [sys.executable, "-m", "resilient_train.cli", "launch", "--workers", "2",
+        [sys.executable, "-m", "resilient_train.cli.main", "launch", "--workers", "2",
          "--job-dir", str(job_dir), "--timeout", timeout, "--quiet", *extra, "--",
          sys.executable, str(SCRIPT), "40", "5", "--batch_size", "64"],
         cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)

@@ -11,10 +11,10 @@ import pytest
 import torch
 
 import resilient_train as rt
-from resilient_train.checkpoint.writers import RECORD, WriterWatch
+from resilient_train.checkpoint.commit.lastwriter import RECORD, WriterWatch
 from resilient_train.cluster import JOB_ID_ENV
 
-LOGGER = "resilient_train.checkpoint.writers"
+LOGGER = "resilient_train.checkpoint.commit.lastwriter"
 
 
 def manager(directory: Path, monkeypatch: pytest.MonkeyPatch,

@@ -36,12 +36,9 @@ from typing import Any
 
 from .. import __version__
 from ..errors import Classification, PermanentError, TransientError, classify_exception
+from ..lifecycle import say_once
 from ..validate import NONE, expect_type, options
-from . import shard_copies
-from .advice import ScriptAdvice, say_once
-from .commit import committer_for, remove_crashed_saves
-from .coordination import Coordinator, default_coordinator
-from .directory import (
+from .commit.directory import (
     SHARED_FILE,
     TMP_PREFIX,
     KnownSteps,
@@ -56,11 +53,9 @@ from .directory import (
     read_manifest,
     scan,
 )
-from .early import Early
-from .emergency import CommitGate, Grace, Outcome, SaveAbandoned, remaining
-from .kept import KeptObjects
-from .loader import load_verified
-from .manifest import (
+from .commit.lastwriter import WriterWatch
+from .commit.loader import load_verified
+from .commit.manifest import (
     MARKER,
     CheckpointError,
     CorruptCheckpointError,
@@ -68,10 +63,14 @@ from .manifest import (
     Manifest,
     manifest_entry,
 )
-from .nodelocal import LocalTier, NodeLocal, PersistentCadence
-from .overrides import describe, overridden
-from .peers import PeerMemory, PeerRing, process_memory
-from .policy import (
+from .commit.protocol import committer_for, remove_crashed_saves
+from .commit.retention import RetentionPolicy
+from .commit.sharded import SHARDED_LAYOUT, ShardedCheckpointer, uses_sharded_layout
+from .commit.stepwriter import RankFailure, StepWriter, WriterThread
+from .progress import Progress
+from .schedule.coordination import Coordinator, default_coordinator
+from .schedule.emergency import CommitGate, Grace, Outcome, SaveAbandoned, remaining
+from .schedule.policies import (
     FOUR_HOURS,
     PRIOR_MTBF_S,
     SavePolicy,
@@ -80,14 +79,9 @@ from .policy import (
     resolve_mtbf,
     with_ceiling,
 )
-from .progress import Progress
-from .readonce import read_once
-from .recovery_plan import Plan, Recovered, carry_out, loads_rank_state, plan
-from .retention import RetentionPolicy
-from .ringlink import RingLink, local_address, new_token
-from .scheduler import Decision, SaveScheduler, SigtermWatch
-from .sharded import SHARDED_LAYOUT, ShardedCheckpointer, uses_sharded_layout
-from .state import (
+from .schedule.scheduler import Decision, SaveScheduler, SigtermWatch
+from .state.advice import ScriptAdvice
+from .state.capture import (
     HostSnapshot,
     capture_rng,
     check_weights_only,
@@ -101,10 +95,17 @@ from .state import (
     tree_on_host,
     unwrap_model,
 )
-from .stepwrites import StepWrites, before_each_call, current_buffers, put_buffers
-from .storage import RetryOptions, Storage, format_bytes, free_bytes, is_no_space
-from .writer import RankFailure, StepWriter, WriterThread
-from .writers import WriterWatch
+from .state.kept import KeptObjects
+from .state.overrides import describe, overridden
+from .state.stepwrites import StepWrites, before_each_call, current_buffers, put_buffers
+from .storage.base import RetryOptions, Storage, format_bytes, free_bytes, is_no_space
+from .tiers import shards as shard_copies
+from .tiers.early import Early
+from .tiers.nodelocal import LocalTier, NodeLocal, PersistentCadence
+from .tiers.peers import PeerMemory, PeerRing, process_memory
+from .tiers.plan import Plan, Recovered, carry_out, loads_rank_state, plan
+from .transport.readonce import read_once
+from .transport.ringlink import RingLink, local_address, new_token
 
 log = logging.getLogger(__name__)
 
@@ -142,24 +143,24 @@ class CheckpointOptions:
     # None: not said here (the manager alone: off; under @rt.main: MainOptions decides, on).
     save_on_sigterm: bool | None = None
     # SIGTERM to SIGKILL: the emergency save commits within it or is abandoned
-    # (emergency.py). None: $RESILIENT_TRAIN_SIGTERM_GRACE_S (the launcher's --grace), else
+    # (schedule/emergency.py). None: $RESILIENT_TRAIN_SIGTERM_GRACE_S (the launcher's --grace), else
     # 30 s (a Spot VM's, the shortest the platform gives).
     sigterm_grace_s: float | None = None
     metadata: Mapping[str, Any] = field(default_factory=dict)   # JSON, in every manifest
     # Multi-rank: after a peer's restart, restore from the survivors' memory instead of
-    # storage (peers.py). Costs each step a ring message of about 15 KB.
+    # storage (tiers/peers.py). Costs each step a ring message of about 15 KB.
     peer_recovery: bool = True
     # Multi-rank, with peer_recovery: copy the parameters and optimizer state as each
     # step's first optimizer step begins, so that a survivor of a peer lost after it (a
     # GAN's second optimizer, a metric all-reduced after opt.step()) is taken back to the
     # step's start and recovers from memory, not from the last save. Costs that copy every
-    # step, in memory on the parameters' device (stepwrites.py).
+    # step, in memory on the parameters' device (state/stepwrites.py).
     undo_torn_steps: bool = False
     # An async save copies parameters and optimizer state to the host while the next step
     # computes; only the next optimizer step waits for that copy (state.HostSnapshot).
     overlap_snapshot: bool = True
     # A node-local tier (the machine's own disk) that every save goes to, the persistent
-    # one (the checkpoint directory) every NodeLocal.persistent_every-th save: nodelocal.py.
+    # one (the checkpoint directory) every NodeLocal.persistent_every-th save: tiers/nodelocal.py.
     node_local: NodeLocal | None = None
 
     def __post_init__(self) -> None:
@@ -208,7 +209,7 @@ class CheckpointOptions:
                              f"expected a positive, finite number of seconds")
         expect_type("CheckpointOptions.storage_options", self.storage_options, (Mapping, NONE),
                     "a dict of fsspec options, or None")
-        try:  # here, not at the first save hours from now (manifest.py writes it so)
+        try:  # here, not at the first save hours from now (commit/manifest.py writes it so)
             json.dumps(dict(self.metadata), sort_keys=True)
         except (TypeError, ValueError) as exc:
             raise ValueError(f"CheckpointOptions.metadata cannot be written into the "
@@ -303,7 +304,7 @@ class CheckpointStorageFullError(CheckpointError, PermanentError):
 
 
 class _Sharded(Exception):
-    """Raised inside a hand-over: the state holds DTensors (shard_copies.py restores it)."""
+    """Raised inside a hand-over: the state holds DTensors (tiers/shards.py restores it)."""
 
 
 class CheckpointManager:
@@ -338,7 +339,7 @@ class CheckpointManager:
         self._tracked: dict[str, Any] = {}
         self.values: dict[str, Any] = {}
         self._snapshot = HostSnapshot()
-        self._sharded = ShardedCheckpointer(self.coord)  # FSDP2 / DTensor state: sharded.py
+        self._sharded = ShardedCheckpointer(self.coord)  # FSDP2 / DTensor state: commit/sharded.py
         self.writer = StepWriter(self.storage, self._sharded, rank=self.rank,
                                  files_atomic=self.committer.files_atomic)
         self._thread = WriterThread("rt-ckpt-writer")
@@ -354,16 +355,16 @@ class CheckpointManager:
         self.known = KnownSteps()
         group = getattr(self.coord, "main_group", None)
         self._ring: PeerRing | None = None
-        # What this process keeps across lives (peers.py): the state for peer recovery, and
+        # What this process keeps across lives (tiers/peers.py): the state for peer recovery, and
         # which objects the last life trained, with peer recovery or without.
         self._memory = peer_memory or process_memory()
         # Objects built outside the training function, which the next life trains on.
         self._kept = KeptObjects(self._tracked, self._memory, self.rank)
         # The ring also carries each rank's RNG and values to the next rank's node-local
-        # copy (nodelocal.py): a rank on a new machine finds them on its neighbour's disk.
+        # copy (tiers/nodelocal.py): a rank on a new machine finds them on its neighbour's disk.
         if (self.options.peer_recovery or self.options.node_local is not None) \
                 and self.world_size > 1 and group is not None:
-            # Collective: every rank connects to its ring neighbours (ringlink.py).
+            # Collective: every rank connects to its ring neighbours (transport/ringlink.py).
             link = RingLink.connect(
                 self.rank, self.world_size, self.coord.allgather,
                 local_address(os.environ.get("MASTER_ADDR", "127.0.0.1"),
@@ -531,7 +532,7 @@ class CheckpointManager:
         if self._cadence is not None:
             self._cadence.saved(persistent)
         # A machine's copy holds the replicated state too, and so does a sharded save's
-        # copy in a neighbour's memory (shard_copies.py).
+        # copy in a neighbour's memory (tiers/shards.py).
         if self.is_primary or local or (staged is not None and self._peers):
             tree["shared"] = staged.replicated if staged else collect(self._tracked)
         check_weights_only(tree, where="checkpoint state")
@@ -577,7 +578,7 @@ class CheckpointManager:
 
     def emergency_save(self, step: int) -> bool:
         """SIGTERM: save ``step`` to every tier, the fastest first, and have it committed
-        before the grace period ends (emergency.py); True once it is. False: abandoned at
+        before the grace period ends (schedule/emergency.py); True once it is. False: abandoned at
         the deadline (logged), and the last committed step stays the latest."""
         if self._error is not None:
             self._raise_error()
@@ -699,7 +700,7 @@ class CheckpointManager:
 
     def hand_over(self, step: int) -> None:
         """This life ends on an error after ``step`` finished steps: leave its state in the
-        process's memory, where the next life's restore finds it (peers.py). A reference,
+        process's memory, where the next life's restore finds it (tiers/peers.py). A reference,
         not a copy; nothing when the state is not that of step ``step``'s boundary."""
         self._kept.hand_over(trained=step > 0 or self._steps_called > 0)   # peers or not
         if not self._peers:
@@ -719,7 +720,7 @@ class CheckpointManager:
         except _Sharded:
             # Not the live state: a shard has no second holder but the last save's copy.
             self._ring.memory.why_not = ("sharded (DTensor) state: restored from the last "
-                                         "save's copies in memory (shard_copies.py)")
+                                         "save's copies in memory (tiers/shards.py)")
 
     def wait(self) -> None:
         """Block until the save in flight is committed; raise its error if it failed."""
@@ -822,7 +823,7 @@ class CheckpointManager:
 
     def _copy_shards(self, step: int, snap: dict[str, Any]) -> None:
         """Writer thread, a sharded save: this rank's shard to the next rank's memory, the
-        previous rank's into ours (shard_copies.py); the older save's copies are dropped
+        previous rank's into ours (tiers/shards.py); the older save's copies are dropped
         once every rank holds these."""
         assert self._ring is not None
         t0 = time.perf_counter()
@@ -839,7 +840,7 @@ class CheckpointManager:
 
     def _partner_copy(self, step: int) -> tuple[int, dict[str, Any]] | None:
         """The previous rank's per-rank state of ``step`` that the peer ring gave this
-        rank, for its machine's copy (nodelocal.py); None without one."""
+        rank, for its machine's copy (tiers/nodelocal.py); None without one."""
         if self._ring is None:
             return None
         memory = self._ring.memory
@@ -971,7 +972,7 @@ class CheckpointManager:
 
     def start_restore(self) -> None:
         """Begin this life's restore from live peers before the training code builds what it
-        restores into (early.py): the ranks agree on the plan now and the state moves in a
+        restores into (tiers/early.py): the ranks agree on the plan now and the state moves in a
         thread while the training function builds; ``restore_latest`` joins it and loads.
         A collective: every rank calls this at the same point, as rt.main does before the
         training function. Nothing starts without a plan from memory: a restore from disk
@@ -997,7 +998,7 @@ class CheckpointManager:
     def restore_latest(self, *, strict: bool = True) -> int | None:
         """Load the newest state into the tracked objects, the RNGs and ``values``; return
         its step, or None when there is none at all. After an in-process recovery that is
-        the survivors' memory (peers.py: at most the step in flight lost, no storage read);
+        the survivors' memory (tiers/peers.py: at most the step in flight lost, no storage read);
         otherwise the node-local tier's newest step that every rank can get, else the
         newest committed step that verifies, read once and streamed to every rank. ``last_restore``
         says which, with the bytes read per tier.
@@ -1095,7 +1096,7 @@ class CheckpointManager:
         return got.step
 
     def _fetch_from_local(self) -> _FromLocal | str:
-        """From the machines' disks by plan (recovery_plan.py): the newest step, no older
+        """From the machines' disks by plan (tiers/plan.py): the newest step, no older
         than the persistent tier's newest, that every rank can get from its own disk or
         another rank's; else why not."""
         assert self._local is not None
@@ -1295,7 +1296,7 @@ class CheckpointManager:
     def _share(self, name: str, manifest: Manifest, shared: dict[str, Any]
                ) -> dict[str, Any]:
         """The replicated state on every rank: read by the primary alone and streamed to
-        the others as it is read (readonce.py); ``shared`` where this rank read it alone."""
+        the others as it is read (transport/readonce.py); ``shared`` where this rank read it alone."""
         group = self._group()
         if group is None:
             return shared

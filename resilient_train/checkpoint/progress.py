@@ -12,7 +12,7 @@ import time
 from collections.abc import Callable
 from types import TracebackType
 
-from .storage import format_bytes
+from .storage.base import format_bytes
 
 __all__ = ["Progress"]
 

@@ -11,9 +11,9 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
+from ..platform.rules import Strategy
 from .job import Command, JobMachine
 from .messages import JobState
-from .policy import Strategy
 from .quota import Lease, LocalQuota, Request
 
 __all__ = ["CapacityLease"]

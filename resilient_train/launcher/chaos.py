@@ -46,7 +46,7 @@ from enum import Enum
 from pathlib import Path
 from typing import Any
 
-from .policy import Cause
+from ..platform.rules import Cause
 
 logger = logging.getLogger(__name__)
 

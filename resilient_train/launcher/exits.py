@@ -35,8 +35,8 @@ import signal
 from dataclasses import dataclass
 
 from ..errors import exit_code_for
+from ..platform.rules import Cause
 from .messages import STATUS_INTERNAL
-from .policy import Cause
 
 __all__ = ["OUTSIDE_SIGNALS", "ProcessExit", "Verdict", "classify_exit"]
 

@@ -14,13 +14,13 @@ import signal
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
-from ..telemetry import read_step
+from ..observe.events import EventKind
+from ..observe.jobdir import telemetry_prefix
+from ..observe.telemetry import read_step
 from .chaos import ChaosSchedule, FaultKind, ScheduledFault, UnfiredFault
-from .events import EventKind
 from .job import Command, JobMachine
 from .messages import JobState
 from .processes import TREE_REFRESH_S, Worker
-from .record import telemetry_prefix
 from .stall import Stall, StallStep, signal_tree
 from .tamper import corrupt_newest_checkpoint, wipe_disk
 

@@ -15,8 +15,18 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Union
 
+from ..observe.events import EVENT_FIELDS, Event, EventKind, decision_summary, iso
+from ..platform.rules import (
+    JOB_SCOPE,
+    Action,
+    Cause,
+    Outcome,
+    Policy,
+    Step,
+    Strategy,
+    default_policy,
+)
 from ..text import first_line
-from .events import EVENT_FIELDS, Event, EventKind, decision_summary, iso
 from .machines import new_vm_after
 from .messages import (
     JobError,
@@ -27,7 +37,6 @@ from .messages import (
     internal_error,
     timeout_error,
 )
-from .policy import JOB_SCOPE, Action, Cause, Outcome, Policy, Step, Strategy, default_policy
 
 __all__ = ["PRIMARY", "Command", "JobConfig", "JobMachine", "ReleaseCapacity",
            "RequestCapacity", "StartWorker", "StopWorkers", "iso"]

@@ -19,13 +19,9 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ..goodput import Goodput, account
-from ..telemetry import LifeReader, LifeTelemetry, read_life, write_failures
-from .chaos import UnfiredFault
-from .events import EventKind
-from .job import JobMachine
-from .programs import PoolProgram
-from .record import (
+from ..observe.events import EventKind
+from ..observe.goodput import Goodput, account
+from ..observe.jobdir import (
     JOB_FILE,
     TelemetryLife,
     failures_path,
@@ -35,10 +31,14 @@ from .record import (
     telemetry_prefixes,
     write_json_atomic,
 )
-from .resources import process_start_time
+from ..observe.telemetry import LifeReader, LifeTelemetry, read_life, write_failures
+from ..platform.programs import PoolProgram
+from ..platform.resources import process_start_time
+from .chaos import UnfiredFault
+from .job import JobMachine
 
 if TYPE_CHECKING:
-    from .export import PlatformJob
+    from ..platform.export import PlatformJob
 
 __all__ = ["JobRecord", "job_spec", "launcher_alive"]
 

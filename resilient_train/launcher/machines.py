@@ -30,7 +30,7 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from .policy import Cause
+from ..platform.rules import Cause
 
 log = logging.getLogger(__name__)
 

@@ -14,10 +14,10 @@ from dataclasses import dataclass, field
 
 import psutil
 
-from .events import EventKind
-from .policy import Cause
+from ..observe.events import EventKind
+from ..platform.resources import process_tree, tree_pss, tree_rss
+from ..platform.rules import Cause
 from .processes import TREE_REFRESH_S, Worker
-from .resources import process_tree, tree_pss, tree_rss
 
 __all__ = ["MemoryLimit"]
 

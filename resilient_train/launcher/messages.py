@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import Any
 
-from .policy import Cause, Strategy
+from ..platform.rules import Cause, Strategy
 
 
 class JobState(str, Enum):

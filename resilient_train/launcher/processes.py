@@ -30,11 +30,11 @@ from typing import IO, Any, cast
 import psutil
 
 from ..errors import read_error_report
+from ..platform.resources import kernel_oom_kills, process_tree
+from ..platform.rules import Cause
+from .console import ConsoleLines
 from .exits import ProcessExit
 from .logtail import BacktraceFolder, traceback_from_log
-from .policy import Cause
-from .progress import ConsoleLines
-from .resources import kernel_oom_kills, process_tree
 from .watchdog import descendants, start_ticks
 from .workerenv import LAUNCH_ID_ENV, Replica
 

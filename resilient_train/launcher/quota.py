@@ -21,7 +21,7 @@ from typing import Any
 
 import psutil
 
-from .resources import process_start_time
+from ..platform.resources import process_start_time
 
 logger = logging.getLogger(__name__)
 

@@ -30,11 +30,23 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ..cluster import NODE_LOCAL_DIR_ENV
-from ..ports import free_port
-from ..telemetry import read_step
+from ..observe.events import EventKind
+from ..observe.jobdir import (
+    JOB_FILE,
+    failures_path,
+    log_path,
+    processes_path,
+    report_path,
+    telemetry_prefix,
+)
+from ..observe.scalars import JobScalars, TensorBoardMode, TensorBoardUnavailable, open_scalars
+from ..observe.telemetry import read_step
+from ..platform.env import tensorboard_log_dir
+from ..platform.programs import PoolProgram
+from ..platform.resources import detect_gpus
+from ..platform.rules import Policy, Strategy
 from .capacity import CapacityLease
 from .chaos import ChaosSchedule, ChaosSpec, UnfiredFault
-from .events import EventKind
 from .exits import ProcessExit, classify_exit
 from .faults import NO_STEP_WARNING_S, Faults
 from .job import (
@@ -51,32 +63,20 @@ from .logtail import peer_connection_error
 from .machines import Machines
 from .memory import MemoryLimit
 from .messages import STATUS_FAULT_NOT_FIRED, STATUS_INTERNAL
-from .policy import Policy, Strategy
+from .ports import free_port
 from .processes import ProcessTrees, Worker, kill_all, spawn
-from .programs import PoolProgram
 from .quota import Capacity, LocalQuota, Request, default_quota_dir
-from .record import (
-    JOB_FILE,
-    failures_path,
-    log_path,
-    processes_path,
-    report_path,
-    telemetry_prefix,
-)
-from .resources import detect_gpus
-from .scalars import JobScalars, TensorBoardMode, TensorBoardUnavailable, open_scalars
 from .workerenv import (
     JobEnv,
     Replica,
     create_output_dirs,
     gcs_credentials_problem,
     replicas_for,
-    tensorboard_log_dir,
     worker_env,
 )
 
 if TYPE_CHECKING:
-    from .export import PlatformJob
+    from ..platform.export import PlatformJob
 
 __all__ = ["NO_STEP_WARNING_S", "LaunchError", "LaunchOptions", "Launcher", "launcher_alive"]
 

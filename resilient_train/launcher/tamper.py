@@ -12,8 +12,8 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
-from ..checkpoint.directory import parse_step
-from ..checkpoint.manifest import MARKER
+from ..checkpoint.commit.directory import parse_step
+from ..checkpoint.commit.manifest import MARKER
 
 
 def wipe_disk(root: Path) -> list[str]:

@@ -17,13 +17,13 @@ from ..cluster import (
     tf_config_json,
 )
 from ..errors import ERROR_FILE_ENV
+from ..observe.telemetry import FAILURES_ENV, TELEMETRY_ENV
+from ..platform.env import TRAINING_POOLS, output_dirs
 from ..sigterm import GRACE_ENV
-from ..telemetry import FAILURES_ENV, TELEMETRY_ENV
 from .machines import Placement
 
 # Pools 0 (primary) and 1 (workers) form the training process group; pools 2 (parameter
 # or reduction servers) and 3 (evaluators) do not.
-TRAINING_POOLS = ("workerpool0", "workerpool1")
 LAUNCH_ID_ENV = "RESILIENT_TRAIN_LAUNCH_ID"
 # The rendezvous store's secret, as distributed/storeauth.py reads it (not imported from
 # there: the launcher does not load the distributed package).
@@ -79,20 +79,6 @@ class JobEnv:
 LOCAL_PROJECT_NUMBER = "000000000000"
 
 
-def tensorboard_log_dir(output_base: str) -> str:
-    """The job's AIP_TENSORBOARD_LOG_DIR: its output base's ``logs/``, as on the platform."""
-    return f"{output_base}/logs/"
-
-
-def output_dirs(output_base: str) -> dict[str, str]:
-    """The platform's AIP_* directories under a job's output base (no trailing slash)."""
-    return {
-        "AIP_MODEL_DIR": f"{output_base}/model/",
-        "AIP_CHECKPOINT_DIR": f"{output_base}/checkpoints/",
-        "AIP_TENSORBOARD_LOG_DIR": tensorboard_log_dir(output_base),
-    }
-
-
 def create_output_dirs(output_base: str) -> None:
     """Create the AIP_* directories of a local output base. On the platform they are
     ``gs://`` prefixes, which exist for every write: a script that saves its model to
@@ -126,7 +112,7 @@ def gcs_credentials_problem(output: str, environ: Mapping[str, str]) -> str | No
     if not output.startswith("gs://"):
         return None
     # Imported for gs:// only (fsspec; not torch): the emulator rule of the storage itself.
-    from ..checkpoint.storage_gcs import uses_gcs_emulator
+    from ..checkpoint.storage.gcs import uses_gcs_emulator
 
     if uses_gcs_emulator({}, environ):
         return None

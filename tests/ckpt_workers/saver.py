@@ -48,11 +48,11 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import crash_model
 
+from resilient_train.checkpoint.commit.manifest import MANIFEST, MARKER
+from resilient_train.checkpoint.commit.retention import RetentionPolicy
 from resilient_train.checkpoint.manager import CheckpointManager, CheckpointOptions
-from resilient_train.checkpoint.manifest import MANIFEST, MARKER
-from resilient_train.checkpoint.nodelocal import NodeLocal
-from resilient_train.checkpoint.retention import RetentionPolicy
-from resilient_train.checkpoint.storage import RetryOptions
+from resilient_train.checkpoint.storage.base import RetryOptions
+from resilient_train.checkpoint.tiers.nodelocal import NodeLocal
 
 MAIN_PHASES = ["start", "restore", "train", "save"]
 WRITER_PHASES = ["idle", "begin", "data", "manifest", "marker", "commit", "retention",

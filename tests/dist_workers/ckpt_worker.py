@@ -27,9 +27,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from resilient_train.checkpoint.coordination import Coordinator, SingleProcess, TorchDistributed
 from resilient_train.checkpoint.manager import CheckpointManager, CheckpointOptions
-from resilient_train.checkpoint.policy import every, every_n_steps, never
+from resilient_train.checkpoint.schedule.coordination import (
+    Coordinator,
+    SingleProcess,
+    TorchDistributed,
+)
+from resilient_train.checkpoint.schedule.policies import every, every_n_steps, never
 
 log = logging.getLogger("ckpt_worker")
 
@@ -123,7 +127,7 @@ def full_disk(ckpt: str, coord: Coordinator) -> dict[str, Any]:
     import contextlib
     import errno
 
-    from resilient_train.checkpoint.storage import Storage
+    from resilient_train.checkpoint.storage.base import Storage
 
     model, wrapped, opt = ddp_model(0)
     mgr = CheckpointManager(ckpt, options=CheckpointOptions(policy=never(), max_interval_s=None,
@@ -182,7 +186,7 @@ def save_damage_restore(ckpt: str, coord: Coordinator, damaged: str,
     """Save steps 2 and 4, flip one byte (same size) of step 4's file ``damaged``, restore
     with fresh objects (one launch instead of two: the restart itself is covered by the
     replicated scenario)."""
-    from resilient_train.checkpoint.storage import Storage
+    from resilient_train.checkpoint.storage.base import Storage
 
     model, wrapped, opt = ddp_model(0)
     seed_all(100 + RANK)
@@ -247,7 +251,7 @@ def timed_saves(ckpt: str, coord: Coordinator) -> dict[str, Any]:
 def auto_saves(ckpt: str, coord: Coordinator) -> dict[str, Any]:
     # auto_interval keeps state read from this process's environment: here the ranks were
     # told different MTBFs, so left alone they would save at different steps.
-    from resilient_train.checkpoint.policy import auto_interval
+    from resilient_train.checkpoint.schedule.policies import auto_interval
 
     os.environ["RESILIENT_TRAIN_MTBF_S"] = "0.5" if RANK == 0 else "1000000"
     mgr = CheckpointManager(
@@ -284,7 +288,7 @@ def sigterm(ckpt: str, coord: Coordinator) -> dict[str, Any]:
         try:
             saved = mgr.maybe_save(step)
         except SystemExit as exc:  # the signalled rank: record, then leave with its code
-            from resilient_train.checkpoint.directory import scan
+            from resilient_train.checkpoint.commit.directory import scan
 
             committed = [i.step for i in scan(mgr.storage) if i.committed]
             result.update(saved_step=step, exit_code=exc.code, committed_at_exit=committed)
@@ -427,9 +431,9 @@ def local_tier_full(ckpt: str, coord: Coordinator) -> dict[str, Any]:
     raises what a full disk does): from the agreement after its failure on, every rank
     sends each save to storage too, together (a rank alone would leave the commit
     waiting), until its disk works again; then every 5th."""
-    from resilient_train.checkpoint.nodelocal import LocalTier, NodeLocal
-    from resilient_train.checkpoint.retention import RetentionPolicy
-    from resilient_train.checkpoint.storage import StorageFullError
+    from resilient_train.checkpoint.commit.retention import RetentionPolicy
+    from resilient_train.checkpoint.storage.base import StorageFullError
+    from resilient_train.checkpoint.tiers.nodelocal import LocalTier, NodeLocal
 
     real = LocalTier.write
 

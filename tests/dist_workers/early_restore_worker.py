@@ -1,6 +1,6 @@
 """Two ranks, two lives, one process each: rank 1's second life is a restarted process
 (an empty PeerMemory), and its state comes from rank 0's memory *before* rank 1 has built
-the model it restores into (CheckpointManager.start_restore, early.py).
+the model it restores into (CheckpointManager.start_restore, tiers/early.py).
 
 Life 1: both ranks train 4 steps (the ring keeps each rank's RNG and values at every
 boundary) and hand over. Life 2: both call start_restore; rank 1 waits until the
@@ -31,7 +31,7 @@ from torch import nn
 from torch.optim.swa_utils import AveragedModel
 
 from resilient_train.checkpoint.manager import CheckpointManager, CheckpointOptions
-from resilient_train.checkpoint.peers import PeerMemory
+from resilient_train.checkpoint.tiers.peers import PeerMemory
 
 STEPS = 4
 

@@ -1,6 +1,6 @@
 """Three ranks move one state tree around: rank 0 sends it to rank 2 point to point (once
 bare, once by a recovery plan whose send is held after its first message until rank 2 has
-said how far it got), then streams a file of it to everyone (readonce.py, in chunks much
+said how far it got), then streams a file of it to everyone (transport/readonce.py, in chunks much
 smaller than the file), the same file where rank 2's manifest says another size, a
 truncated copy, a copy whose read fails half-way, and last the file again while rank 2
 dies after its first chunk. Each rank writes what it received and what it raised to
@@ -14,11 +14,12 @@ import time
 import torch
 import torch.distributed as dist
 
-from resilient_train.checkpoint import progress, readonce, transfer
-from resilient_train.checkpoint.manifest import FileEntry, crc32c
-from resilient_train.checkpoint.recovery_plan import Plan, carry_out, dumps_rank_state
-from resilient_train.checkpoint.storage import Storage
-from resilient_train.checkpoint.transfer import recv_tree, send_tree
+from resilient_train.checkpoint import progress
+from resilient_train.checkpoint.commit.manifest import FileEntry, crc32c
+from resilient_train.checkpoint.storage.base import Storage
+from resilient_train.checkpoint.tiers.plan import Plan, carry_out, dumps_rank_state
+from resilient_train.checkpoint.transport import readonce, transfer
+from resilient_train.checkpoint.transport.transfer import recv_tree, send_tree
 
 
 def tree() -> dict:

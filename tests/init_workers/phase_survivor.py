@@ -29,7 +29,7 @@ import torch.distributed as dist
 from torch import nn
 
 import resilient_train as rt
-from resilient_train.checkpoint.coordination import TorchDistributed
+from resilient_train.checkpoint.schedule.coordination import TorchDistributed
 
 rank = int(os.environ["RANK"])
 phases = os.environ["PHASES"].split(",")

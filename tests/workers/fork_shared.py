@@ -8,7 +8,7 @@ import time
 import _common
 import psutil
 
-from resilient_train.launcher.resources import tree_pss, tree_rss
+from resilient_train.platform.resources import tree_pss, tree_rss
 
 _common.start()
 mib, children, hold_s = int(sys.argv[1]), int(sys.argv[2]), float(sys.argv[3])

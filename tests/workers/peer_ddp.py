@@ -38,7 +38,8 @@ def kill_in_transfers(spec: str, marks: str) -> None:
     is the real transfer (checkpoint/recovery_plan.py): only the moment of death is set."""
     import signal
 
-    from resilient_train.checkpoint import peers, recovery_plan
+    from resilient_train.checkpoint.tiers import peers
+    from resilient_train.checkpoint.tiers import plan as recovery_plan
 
     roles = {role: int(step) for role, step in (x.split(":") for x in spec.split(","))}
     planned = [0]
@@ -103,7 +104,7 @@ class Data(Dataset):
 KEPT: list[tuple[nn.Module, torch.optim.Optimizer, object]] = []
 if os.environ.get("PEER_DDP_KEEP_MODEL"):   # the line that says the memory is copied
     logging.basicConfig(format="%(message)s")
-    logging.getLogger("resilient_train.checkpoint.peers").setLevel(logging.INFO)
+    logging.getLogger("resilient_train.checkpoint.tiers.peers").setLevel(logging.INFO)
 
 
 def train(ctx: rt.Context) -> None:

@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from resilient_train.telemetry import Telemetry
+from resilient_train.observe.telemetry import Telemetry
 
 _common.start()
 steps = int(sys.argv[1])

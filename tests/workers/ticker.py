@@ -15,7 +15,7 @@ import time
 
 import _common
 
-from resilient_train.telemetry import Telemetry
+from resilient_train.observe.telemetry import Telemetry
 
 _common.start()
 steps = int(sys.argv[1])

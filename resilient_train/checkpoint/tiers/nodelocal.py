@@ -1,0 +1,367 @@
+"""The node-local tier: frequent saves to the replica's own machine, rare ones to storage.
+
+A save to the persistent tier (``gs://``, a ``/gcs/`` mount, a shared path) costs what
+the link allows; a save to the machine's own disk (a local SSD, ``/dev/shm``) costs what
+the disk allows, often ten times less, but is lost with the machine. With
+``CheckpointOptions(node_local=NodeLocal(...))`` every save goes to the node-local tier
+and every ``persistent_every``-th save (and every emergency and final save) to the
+persistent tier too, from the same host snapshot. One policy says when to save, this says
+where; ``persistent_every="auto"`` derives K from the tiers' measured write times and the
+MTBF (:func:`persistent_every_auto`).
+
+Every rank writes its own complete copy into its machine's directory (the replicated
+state, its own per-rank file, and the copy of the previous rank's per-rank state that the
+peer ring gave it: so a rank whose machine was replaced still finds its RNG streams and
+values on its neighbour's disk) and commits it on its own (a manifest, then the marker,
+as on any storage: commit/protocol.py): a machine's disk is its own, so nothing needs agreeing to
+commit. Agreement comes at the restore, by the plan peer recovery uses
+(tiers/plan.py): the newest step, no older than the persistent tier's newest, whose
+replicated state some machine has and whose per-rank state every rank can get; ranks
+that lack it receive it from the ranks that have it. Otherwise the restore reads storage.
+
+Where the platform keeps a machine's disk (a worker restarted in place after its own exit,
+or with ``restartJobOnWorkerRestart``) a restarted process resumes from here; where it
+does not (maintenance, node loss, preemption, a job retry: a new VM) its directory is
+empty and the restore falls back to peers or storage. Under ``resilient-train launch``
+the directory defaults to ``$RESILIENT_TRAIN_NODE_LOCAL_DIR/checkpoints``, which the
+launcher wipes exactly where the platform would (launcher/machines.py). Several processes
+on one machine (torchrun's) each get a subdirectory, ``rank00003``.
+
+Sharded (DTensor) state is saved to the persistent tier, and to the neighbours' memory
+(tiers/shards.py), not to the machine's disk.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from ... import __version__
+from ...cluster import NODE_LOCAL_DIR_ENV, ClusterInfo
+from ...text import format_duration
+from ...validate import NONE, expect_type, options
+from ..commit.directory import (
+    SHARED_FILE,
+    list_files,
+    manifest_problems,
+    prune,
+    rank_file,
+    read_manifest,
+    scan,
+)
+from ..commit.loader import load_verified
+from ..commit.manifest import CheckpointError, CorruptCheckpointError, Manifest
+from ..commit.protocol import committer_for, remove_crashed_saves
+from ..commit.retention import RetentionPolicy
+from ..commit.sharded import ShardedCheckpointer
+from ..commit.stepwriter import StepWriter, state_bytes, write_torch_file
+from ..progress import Progress
+from ..schedule.policies import daly_interval
+from ..storage.base import RetryOptions, Storage, format_bytes
+from ..storage.errors import StorageError, StorageFullError
+from .plan import Plan, Report, dumps_rank_state
+
+log = logging.getLogger(__name__)
+
+
+
+AUTO = "auto"
+MAX_PERSISTENT_EVERY = 1000   # Orbax's example ratio is 100 (every 10 and every 1,000)
+
+
+@options
+@dataclass(frozen=True)
+class NodeLocal:
+    """Where and how often the node-local tier saves."""
+
+    # None: $RESILIENT_TRAIN_NODE_LOCAL_DIR/checkpoints (set by resilient-train launch).
+    directory: str | None = None
+    # Every N-th save also goes to the persistent tier (1: every save goes to both);
+    # "auto": N from the tiers' measured costs and the MTBF (persistent_every_auto).
+    persistent_every: int | str = 10
+    keep_last: int = 1        # committed steps kept on the machine
+
+    def __post_init__(self) -> None:
+        expect_type("NodeLocal.directory", self.directory, (str, NONE),
+                    "a local path such as /dev/shm/ckpt or /mnt/localssd/ckpt, or None")
+        for name in ("persistent_every", "keep_last"):
+            v = getattr(self, name)
+            if name == "persistent_every" and v == AUTO:
+                continue
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                also = ", or \"auto\"" if name == "persistent_every" else ""
+                raise ValueError(f"NodeLocal.{name}={v!r}: expected a whole number >= 1{also}")
+        if self.directory is not None and "://" in self.directory:
+            raise ValueError(f"NodeLocal.directory={self.directory!r} is a URL: the node-local "
+                             f"tier is the machine's own disk (a local path); the persistent "
+                             f"tier is the checkpoint directory")
+
+    def resolve(self, env: Mapping[str, str] | None = None) -> str:
+        env = os.environ if env is None else env
+        if self.directory:
+            return self.directory
+        base = env.get(NODE_LOCAL_DIR_ENV, "")
+        if not base:
+            raise ValueError(
+                f"NodeLocal(directory=None) takes the machine's local disk from "
+                f"{NODE_LOCAL_DIR_ENV}, which is not set (resilient-train launch sets it): "
+                f"give NodeLocal(directory='/dev/shm/ckpt') or another path on a local disk")
+        return os.path.join(base, "checkpoints")
+
+
+def persistent_every_auto(local_s: float, persistent_s: float, interval_s: float,
+                          mtbf_s: float, ceiling_s: float | None) -> int:
+    """How many saves apart the persistent ones should be, from what the tiers cost.
+
+    Every save writes the node-local tier (``local_s`` seconds on the writer thread); a
+    persistent one writes storage too (``persistent_s`` more). The policy puts
+    ``interval_s`` of training between two saves, and one save is in flight at a time, so
+    a write longer than that makes the next save wait: a persistent save costs the loop
+    ``C = max(0, local + persistent - interval) - max(0, local - interval)``. It is needed
+    only where the faster tiers are gone (a new VM with no live peer, a job retry), and
+    the persistent saves' own interval is then Young/Daly's optimum for that ``C`` and the
+    job's MTBF (policy.daly_interval), in saves: ``K = daly(C, M) / interval``. A write
+    that fits in the interval costs nothing, and K is 1. K is at most
+    MAX_PERSISTENT_EVERY, and at most the saves in ``ceiling_s`` (the platform's 4 hours:
+    the persistent copy, the one that outlives the VM, is what must be that fresh).
+    """
+    cost = max(0.0, local_s + persistent_s - interval_s) - max(0.0, local_s - interval_s)
+    k = 1.0
+    if cost > 0 and interval_s > 0:
+        k = daly_interval(cost, mtbf_s) / interval_s
+    if ceiling_s is not None and interval_s > 0:
+        k = min(k, ceiling_s / interval_s)
+    return int(min(max(1.0, round(k)), MAX_PERSISTENT_EVERY))
+
+
+class PersistentCadence:
+    """Which saves also go to the persistent tier: every ``NodeLocal.persistent_every``-th,
+    or, with "auto", every K-th for the K of :func:`persistent_every_auto` on measured
+    costs (the same on every rank: the scheduler agrees on them). Logs each change of K."""
+
+    def __init__(self, options: NodeLocal, ceiling_s: float | None) -> None:
+        self.fixed = options.persistent_every if options.persistent_every != AUTO else None
+        self.ceiling_s = ceiling_s
+        self.k = self.fixed or 1   # auto: the first save measures both tiers
+        self.since = 0             # saves to the node-local tier only, since the last
+
+    def due(self, local_s: float | None, persistent_s: float | None,
+            interval_s: float | None, mtbf: tuple[float, str]) -> bool:
+        """Whether the next save goes to the persistent tier too."""
+        if self.fixed is None and None not in (local_s, persistent_s, interval_s):
+            assert local_s is not None and persistent_s is not None and interval_s is not None
+            k = persistent_every_auto(local_s, persistent_s, interval_s, mtbf[0],
+                                      self.ceiling_s)
+            if k != self.k:
+                log.info("node-local tier: %s goes to storage too (a storage write "
+                         "takes %s, a node-local one %s, saves come every %s, mean time "
+                         "between failures %s, %s)",
+                         "every save" if k == 1 else f"every {k}{_nth(k)} save",
+                         format_duration(persistent_s), format_duration(local_s),
+                         format_duration(interval_s), format_duration(mtbf[0]), mtbf[1])
+                self.k = k
+        return self.since + 1 >= self.k
+
+    def saved(self, persistent: bool) -> None:
+        self.since = 0 if persistent else self.since + 1
+
+
+def _nth(k: int) -> str:
+    return "" if k == 1 else ("st" if k % 10 == 1 and k % 100 != 11 else
+                              "nd" if k % 10 == 2 and k % 100 != 12 else
+                              "rd" if k % 10 == 3 and k % 100 != 13 else "th")
+
+
+def processes_on_this_machine() -> int:
+    """How many training processes share this machine (``LOCAL_WORLD_SIZE``: torchrun's
+    ``--nproc-per-node``); 1 where the environment does not say."""
+    info = ClusterInfo.from_env_or_none()
+    return 1 if info is None else info.local_world_size
+
+
+def partner_file(rank: int) -> str:
+    """The copy of ``rank``'s per-rank state on the machine of the next rank of the ring."""
+    return f"peer-rank{rank:05d}.pt"
+
+
+class LocalTier:
+    """This rank's node-local directory: its saves, its committed steps, its restore."""
+
+    def __init__(self, options: NodeLocal, rank: int, world_size: int, token: str,
+                 sharded: ShardedCheckpointer) -> None:
+        self.options = options
+        self.rank, self.world_size = rank, world_size
+        root = options.resolve()
+        if processes_on_this_machine() > 1:
+            # torchrun's processes on one machine share its disk: a directory each, or
+            # their saves of a step (same names, same job token) would overwrite each other.
+            root = os.path.join(root, f"rank{rank:05d}")
+        self.storage = Storage(root, retry=RetryOptions())
+        if not self.storage.is_local:
+            raise ValueError(f"the node-local tier {self.storage.url} is not on a local disk")
+        remove_crashed_saves(self.storage)   # only this rank writes here
+        try:   # a typo or a disk that is not mounted fails now, not as a warning per save
+            self.storage.check_writable()
+        except StorageFullError:
+            pass   # full now, maybe not later: each save says so and storage takes it
+        except StorageError as exc:
+            raise ValueError(
+                f"cannot use {self.storage.url} for the node-local tier: {exc}. Give "
+                f"NodeLocal(directory=...) a path on this machine's own disk that this "
+                f"process can write (a local SSD's mount, /dev/shm/...)") from exc
+        self.committer = committer_for(self.storage, token)
+        self.writer = StepWriter(self.storage, sharded, rank=rank,
+                                 files_atomic=self.committer.files_atomic)
+        self._token = token
+        self.read_bytes = 0
+        # Saves failed in a row (a full or broken disk), and the kind of the last failure:
+        # the first warns, the rest are counted until one works again (saved()).
+        self.failing = 0
+        self._failure_kind = ""
+
+    @property
+    def url(self) -> str:
+        return self.storage.url
+
+    def write(self, step: int, snap: Mapping[str, Any],
+              partner: tuple[int, dict[str, Any]] | None = None) -> None:
+        """Write and commit ``snap`` (``shared`` and ``rank``) as ``step``, with
+        ``partner``'s (rank, per-rank state) when the ring gave one, then prune."""
+        work = self.committer.work_dir(step)
+        if self.committer.already_committed(work):
+            return
+        with self.committer.hold(work):
+            try:
+                files = self.writer.write(work, {k: snap[k] for k in ("shared", "rank")})
+                if partner is not None:
+                    name = partner_file(partner[0])
+                    files[name] = write_torch_file(self.storage, f"{work}/{name}", partner[1],
+                                                   atomic=self.committer.files_atomic)
+                self.committer.commit(work, Manifest(
+                    step=step, world_size=self.world_size, layout="replicated", files=files,
+                    library=f"resilient-train {__version__}"))
+            except BaseException:
+                self.committer.discard(work, transient=True)
+                raise
+        prune(self.storage, RetentionPolicy(keep_last=self.options.keep_last),
+              protect=self._token)
+
+    def save(self, step: int, snap: Mapping[str, Any],
+             partner: tuple[int, dict[str, Any]] | None = None) -> bool:
+        """:meth:`write`, and whether it committed. A failure only warns: the scheduler
+        then sends every save to the persistent tier too until a node-local one works
+        again, so a full or broken disk never leaves the job with fewer checkpoints."""
+        try:
+            self.write(step, snap, partner)
+        except Exception as exc:
+            self._failed(step, exc, snap)
+            return False
+        if self.failing:
+            log.warning("node-local checkpoint of step %d in %s committed, after %d failed "
+                        "save(s): storage again takes only the saves that "
+                        "NodeLocal.persistent_every asks for", step, self.url, self.failing)
+        self.failing, self._failure_kind = 0, ""
+        return True
+
+    def _failed(self, step: int, exc: Exception, snap: Mapping[str, Any]) -> None:
+        self.failing += 1
+        full = isinstance(exc, StorageFullError)
+        kind = type(exc).__name__ + "/" + type(exc.__cause__ or exc).__name__
+        if kind == self._failure_kind:   # said already: one line per kind, not per save
+            log.info("node-local checkpoint of step %d in %s failed again (%d in a row): %s",
+                     step, self.url, self.failing, exc)
+            return
+        self._failure_kind = kind
+        if full:
+            assert isinstance(exc, StorageFullError)
+            keep = self.options.keep_last
+            why = (f"no space left: this save needs about {format_bytes(state_bytes(snap))} "
+                   f"and {format_bytes(exc.free_bytes)} is free there (the tier keeps "
+                   f"NodeLocal.keep_last={keep} committed step(s) beside the one being "
+                   f"written). Give NodeLocal(directory=...) a disk with room for "
+                   f"{keep + 1} saves, or free space there")
+        else:
+            why = str(exc)
+        log.warning("node-local checkpoint of step %d in %s failed: %s. Until a node-local "
+                    "save works again, every save goes to storage too", step, self.url, why)
+
+    def report(self, persistent: int | None) -> Report:
+        """What this machine holds, for the plan: its committed steps no older than the
+        persistent tier's newest (``persistent``), with or without the partner's copy."""
+        owner_of = {partner_file(r): r for r in range(self.world_size) if r != self.rank}
+        steps: list[int] = []
+        partner: dict[int, int] = {}   # step -> whose copy it holds (the ring's previous rank)
+        for info in scan(self.storage, with_manifest=True):
+            if not info.committed or info.problems or \
+                    (persistent is not None and info.step < persistent):
+                continue
+            steps.append(info.step)
+            try:
+                files = read_manifest(self.storage, info.name, info.step).files
+            except CheckpointError:
+                continue
+            partner.update((info.step, owner_of[f]) for f in files if f in owner_of)
+        held_for = partner[max(partner)] if partner else None
+        held = tuple(sorted(s for s, r in partner.items() if r == held_for))
+        return Report(rank=self.rank, replicated=tuple(steps), own=tuple(steps),
+                      held_for=held_for, held=held,
+                      last_commit=persistent, save_point=(None, 0.0), why_not="")
+
+    def holdings(self, the_plan: Plan) -> LocalHoldings:
+        """Read and verify now what this rank gives in ``the_plan`` (so that a bad file
+        is found before any rank waits on a transfer); raises CorruptCheckpointError."""
+        self.read_bytes = 0
+        step = the_plan.step
+        gives_shared = self.rank not in the_plan.needs_state
+        gives = [o for o, g in the_plan.rank_source.items() if g == self.rank]
+        if not gives_shared and not gives:
+            return LocalHoldings(step, None, {}, 0.0)   # a new machine: receives it all
+        name = next(i.name for i in scan(self.storage, with_manifest=False)
+                    if i.committed and i.step == step)
+        manifest = read_manifest(self.storage, name, step)
+        problems = manifest_problems(manifest, set(list_files(self.storage, name)),
+                                     self.storage, name)
+        if problems:
+            raise CorruptCheckpointError(f"{self.storage.url_of(name)}: " + "; ".join(problems))
+
+        def load(fname: str) -> dict[str, Any]:
+            self.read_bytes += manifest.files[fname].size
+            return load_verified(self.storage, name, fname, manifest)
+
+        files = ([SHARED_FILE] if gives_shared else []) + [
+            rank_file(owner) if owner == self.rank else partner_file(owner)
+            for owner, giver in the_plan.rank_source.items() if giver == self.rank]
+        # Tens of GB from a local disk take a while too: the same lines as any restore.
+        with Progress(f"rank {self.rank}: reading step {step} from {self.storage.url_of(name)}",
+                      lambda: self.storage.bytes_moved, log=log,
+                      total=sum(manifest.files[f].size for f in files)):
+            shared = load(SHARED_FILE) if gives_shared else None
+            states: dict[tuple[int, bool], bytes] = {}
+            for owner, giver in the_plan.rank_source.items():
+                if giver == self.rank:
+                    own = owner == self.rank
+                    tree = load(rank_file(owner) if own else partner_file(owner))
+                    states[(owner, own)] = dumps_rank_state(tree)
+        return LocalHoldings(step, shared, states, manifest.created)
+
+
+@dataclass(frozen=True)
+class LocalHoldings:
+    """What this rank read from its disk for a plan (recovery_plan.Holdings)."""
+
+    step: int
+    shared_state: dict[str, Any] | None
+    states: Mapping[tuple[int, bool], bytes]
+    created: float
+
+    where = "node-local disk"
+
+    def shared(self, step: int) -> dict[str, Any]:
+        assert step == self.step and self.shared_state is not None
+        return self.shared_state
+
+    def rank_state(self, rank: int, step: int, own: bool) -> bytes:
+        return self.states[(rank, own)]

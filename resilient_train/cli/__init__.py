@@ -1,0 +1,1 @@
+"""The command line: `resilient-train` (main.py) and its subcommands."""
