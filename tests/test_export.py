@@ -25,7 +25,7 @@ import yaml
 from resilient_train.cli import main as cli
 from resilient_train.cluster import ClusterInfo
 from resilient_train.errors import PLATFORM_TRANSIENT_EXIT_CODES
-from resilient_train.platform import export
+from resilient_train.platform import export, platformjob
 from resilient_train.platform.export import PlatformJob, job_from_record
 from resilient_train.platform.jobset import jobset_name
 from resilient_train.platform.jobspec import load_job_spec, parse_job_spec
@@ -201,7 +201,7 @@ def test_local_only_options_are_named_in_labels_header_and_notes(
             "--", "python", "t.py"]
     status, out, err = _export(["--format", "custom-job", *argv], capsys)
     assert status == 0, err
-    left = yaml.safe_load(out)["labels"][export.LEFT_OUT_LABEL]
+    left = yaml.safe_load(out)["labels"][platformjob.LEFT_OUT_LABEL]
     assert left == "chaos_policy_memory-limit_output-dir"
     assert re.fullmatch(r"[a-z][a-z0-9_-]{0,62}", left)          # a valid label value
     assert "export: left out --chaos kill:1@30s,preempt~60sx2: faults are injected" in err

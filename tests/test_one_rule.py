@@ -87,4 +87,4 @@ def test_only_storage_reads_an_implicit_chain() -> None:
     readers = sorted({str(p.relative_to(PACKAGE)) for p in PACKAGE.rglob("*.py")
                       for node in ast.walk(ast.parse(p.read_text(encoding="utf-8")))
                       if isinstance(node, ast.Attribute) and node.attr == "__context__"})
-    assert readers == ["checkpoint/storage.py"]
+    assert readers == ["checkpoint/storage/base.py"]

@@ -161,7 +161,7 @@ def test_without_the_extra_the_launcher_uses_its_own_tables() -> None:
                 return None
 
         sys.meta_path.insert(0, NoCloud())
-        from resilient_train.launcher import platform_types
+        from resilient_train.platform import aiplatform_types as platform_types
         from resilient_train.platform.jobspec import JobSpecError, parse_job_spec
 
         assert not platform_types.available()
