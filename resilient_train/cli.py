@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import functools
 import json
 import logging
 import os
@@ -99,6 +100,21 @@ def _parse_duration() -> Callable[[str], float]:
     return parse_duration
 
 
+def _parse_grace() -> Callable[[str], float]:
+    """A SIGTERM-to-SIGKILL time: 0 leaves a worker no time to save (its emergency save
+    refuses a grace of 0 and exits 1), infinity never kills it."""
+    from .launcher.chaos import parse_duration
+
+    return functools.partial(parse_duration, positive=True, what="a grace period")
+
+
+def _parse_interval() -> Callable[[str], float]:
+    """How often to ask the service: 0 would ask without a pause."""
+    from .launcher.chaos import parse_duration
+
+    return functools.partial(parse_duration, positive=True, what="an interval")
+
+
 def _parse_memory() -> Callable[[str], int]:
     from .launcher.resources import parse_memory
 
@@ -106,6 +122,8 @@ def _parse_memory() -> Callable[[str], int]:
 
 
 _duration = _argument(_parse_duration, "duration")
+_grace = _argument(_parse_grace, "grace period")
+_interval = _argument(_parse_interval, "interval")
 _memory = _argument(_parse_memory, "memory size")
 
 
@@ -142,7 +160,7 @@ def _parser() -> argparse.ArgumentParser:
                     "(memory minus the platform's reserved share)")
     lp.add_argument("--start-jitter", type=_duration, default=0.0, metavar="DURATION",
                     help="random delay up to DURATION before each worker starts")
-    lp.add_argument("--grace", type=_duration, default=10.0, metavar="DURATION",
+    lp.add_argument("--grace", type=_grace, default=10.0, metavar="DURATION",
                     help="SIGTERM-to-SIGKILL grace period (default 10s)")
     lp.add_argument("--chaos", default="", metavar="SPEC",
                     help="faults to inject: KIND[:REPLICA]@TIME[/GRACE] or KIND~MEAN[xCOUNT], "
@@ -223,7 +241,7 @@ def _parser() -> argparse.ArgumentParser:
                     "against a local fake (default: $RESILIENT_TRAIN_VERTEX_ENDPOINT)")
     up.add_argument("--wait", action="store_true",
                     help="follow the job until it ends, as status --follow does")
-    up.add_argument("--interval", type=_duration, metavar="SECONDS",
+    up.add_argument("--interval", type=_interval, metavar="SECONDS",
                     help="with --wait: how often to ask for its state (default 30s)")
 
     cp = sub.add_parser("checkpoints", help="list, verify or prune a checkpoint directory")
@@ -248,7 +266,7 @@ def _parser() -> argparse.ArgumentParser:
     sp.add_argument("--follow", action="store_true",
                     help="a remote job: print a line per state change until it ends; the "
                     "exit status is 0 when it SUCCEEDED, 1 otherwise")
-    sp.add_argument("--interval", type=_duration, metavar="SECONDS",
+    sp.add_argument("--interval", type=_interval, metavar="SECONDS",
                     help="with --follow: how often to ask for its state (default 30s)")
     sp.add_argument("--endpoint", metavar="HOST:PORT",
                     help="a remote job: the JobService to ask (as for submit)")
@@ -271,7 +289,7 @@ def _parser() -> argparse.ArgumentParser:
     wp.add_argument("--nproc-per-node", "--nproc_per_node", default="auto", metavar="N",
                     help="processes on this machine: a number, 'gpu' (one per GPU) or "
                     "'auto' (one per GPU, else 1; the default)")
-    wp.add_argument("--stop-grace", type=_duration, default=30.0, metavar="SECONDS",
+    wp.add_argument("--stop-grace", type=_grace, default=30.0, metavar="SECONDS",
                     help="after a process failed: how long the others have between SIGTERM "
                     "and SIGKILL (default 30s)")
     wp.add_argument("command", nargs=argparse.REMAINDER, help="the program and its arguments")

@@ -37,6 +37,15 @@ def test_parse_duration(text: str, seconds: float) -> None:
     assert parse_duration(text) == pytest.approx(seconds)
 
 
+@pytest.mark.parametrize("value", ["9" * 400, "9" * 400 + "h", "8761h", "1000000000",
+                                   math.inf, math.nan])
+def test_parse_duration_refuses_what_no_option_can_mean(value: str | float) -> None:
+    """A duration that float() reads as infinity (or one longer than a year) is no
+    time any option or fault can mean: refused, the range named."""
+    with pytest.raises(ValueError, match="at most 8760h"):
+        parse_duration(value)
+
+
 def test_fault_kind_scope() -> None:
     replica = {k for k in FaultKind if k.targets_replica}
     assert replica == {FaultKind.KILL, FaultKind.MAINTENANCE, FaultKind.PREEMPT, FaultKind.OOM,
@@ -163,6 +172,11 @@ def test_spec_truthiness_and_seed() -> None:
         ("hang:1@step40+soon", ["bad duration", "'soon'"]),
         ("hang:1@", ["bad time", "hang:1@step40+30s", "slow:1@20s+60s*0.25"]),
         ("hang~0s+1s", ["must be > 0"]),
+        # SIGTERM and SIGKILL at once: no grace period at all.
+        ("preempt:1@5s/0", ["grace in item 1", "must be > 0", "at most 8760h"]),
+        ("maintenance:1@5s/0ms", ["grace in item 1", "must be > 0"]),
+        ("preempt:1@5s/" + "9" * 400, ["bad grace in item 1", "at most 8760h"]),
+        ("kill@" + "9" * 400, ["bad time in item 1", "at most 8760h"]),
     ],
 )
 def test_parse_errors_name_item_and_fix(text: str, fragments: list[str]) -> None:

@@ -929,6 +929,41 @@ def test_malformed_duration_or_size_says_what_is_expected(e2e: E2E, option: str,
     assert f"argument {option}: {expected}" in err and repr(value) in err
 
 
+INFINITE = "9" * 400   # a number of seconds float() reads as infinity
+
+
+@pytest.mark.parametrize(("args", "fragment"), [
+    # No time between SIGTERM and SIGKILL: every worker exited 1 on its grace variable.
+    (["launch", "--grace", "0"], "--grace: a grace period is more than 0 s and at most 8760h"),
+    (["launch", "--grace=0ms"], "--grace: a grace period is more than 0 s and at most 8760h"),
+    (["launch", "--grace", INFINITE], "--grace: a grace period is more than 0 s and at most"),
+    (["launch", "--grace", "9000h"], "--grace: a grace period is more than 0 s and at most"),
+    (["launch", "--timeout", INFINITE + "h"], "--timeout: a duration is at most 8760h"),
+    (["launch", "--start-jitter", INFINITE], "--start-jitter: a duration is at most 8760h"),
+    (["launch", "--strategy", "flex-start", "--max-wait", INFINITE],
+     "--max-wait: a duration is at most 8760h"),
+    (["spawn", "--stop-grace", "0"], "--stop-grace: a grace period is more than 0 s"),
+    (["spawn", "--stop-grace", INFINITE], "--stop-grace: a grace period is more than 0 s"),
+    (["status", "projects/p/locations/r/customJobs/1", "--follow", "--interval", "0"],
+     "--interval: an interval is more than 0 s and at most 8760h"),
+], ids=["grace-0", "grace-0ms", "grace-inf", "grace-9000h", "timeout-inf", "jitter-inf",
+        "max-wait-inf", "stop-grace-0", "stop-grace-inf", "interval-0"])
+def test_a_duration_out_of_its_range_is_refused_when_parsed(tmp_path: Path, args: list[str],
+                                                            fragment: str) -> None:
+    """The range is checked as the command line is parsed (exit 2, the range named), not
+    found by the workers once the job has started."""
+    job_dir = tmp_path / "j"
+    command = {"launch": [*args, "--job-dir", str(job_dir), "--", PY, "-c", "pass"],
+               "spawn": [*args, "--", PY, "-c", "pass"]}.get(args[0], args)
+    result = subprocess.run(
+        [PY, "-m", "resilient_train.cli", *command],
+        capture_output=True, text=True, timeout=WAIT_S, cwd=tmp_path, check=False)
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert fragment in result.stderr, result.stderr
+    assert "Traceback" not in result.stderr
+    assert not job_dir.exists()   # nothing ran, nothing was written
+
+
 def test_bad_input_through_the_real_cli_process(e2e: E2E) -> None:
     result = subprocess.run(
         [PY, "-m", "resilient_train.cli", "launch", "--chaos", "kill:workerpool3-0@1s",

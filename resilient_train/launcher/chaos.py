@@ -51,6 +51,8 @@ from .policy import Cause
 logger = logging.getLogger(__name__)
 
 __all__ = [
+    "MAX_DURATION_S",
+    "MAX_DURATION_TEXT",
     "ChaosSchedule",
     "ChaosSpec",
     "ChaosSpecError",
@@ -256,26 +258,45 @@ class UnfiredFault:
 
 # ---------------------------------------------------------------------------- parsing
 
+# The longest duration any option or fault means: a year. Longer is a typo, or a number
+# float() reads as infinity, which no sleep, timer or deadline takes.
+MAX_DURATION_S = 365 * 24 * 3600.0
+MAX_DURATION_TEXT = "at most 8760h (365 days)"
 _DURATION_RE = re.compile(r"^(\d+(?:\.\d*)?|\.\d+)\s*(ms|s|m|h)?$", re.IGNORECASE)
 _UNIT_SECONDS = {None: 1.0, "ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0}
 _TARGET_RE = re.compile(r"^[A-Za-z0-9_.-]+$")
 
 
-def parse_duration(text: str | float) -> float:
-    """Seconds from ``500ms``, ``20s``, ``1.5m``, ``2h`` or a bare (non-negative) number."""
+def parse_duration(text: str | float, *, positive: bool = False,
+                   what: str = "a duration") -> float:
+    """Seconds from ``500ms``, ``20s``, ``1.5m``, ``2h`` or a bare (non-negative) number,
+    at most MAX_DURATION_S and, where ``positive``, more than 0. ``what`` names the value
+    in the error (``a grace period``), which says the range."""
     if isinstance(text, bool):
         raise ValueError(f"expected a duration like 20s, found {text!r}")
     if isinstance(text, (int, float)):
         if text < 0:
             raise ValueError(f"expected a non-negative duration, found {text!r}")
-        return float(text)
-    match = _DURATION_RE.match(text.strip())
-    if not match:
-        raise ValueError(
-            f"expected a duration like 500ms, 20s, 1.5m, 2h or a number of seconds, found {text!r}"
-        )
-    unit = match.group(2).lower() if match.group(2) else None
-    return float(match.group(1)) * _UNIT_SECONDS[unit]
+        value = float(text)
+    else:
+        match = _DURATION_RE.match(text.strip())
+        if not match:
+            raise ValueError(
+                f"expected a duration like 500ms, 20s, 1.5m, 2h or a number of seconds, "
+                f"found {_clip(text)}")
+        unit = match.group(2).lower() if match.group(2) else None
+        value = float(match.group(1)) * _UNIT_SECONDS[unit]
+    # Written as a negation, so that NaN and infinity (float() of 400 digits) fail too.
+    if not (value > 0 if positive else value >= 0) or not value <= MAX_DURATION_S:
+        low = "more than 0 s and " if positive else ""
+        raise ValueError(f"{what} is {low}{MAX_DURATION_TEXT}, found {_clip(text)}")
+    return value
+
+
+def _clip(value: Any) -> str:
+    """``value`` quoted, cut short: a typo of 400 digits need not fill the screen."""
+    text = repr(value)
+    return text if len(text) <= 40 else text[:30] + "..." + text[-6:]
 
 
 def _kind(name: str, where: str) -> FaultKind:
@@ -294,7 +315,8 @@ def _duration(text: Any, what: str, where: str, *, positive: bool = False) -> fl
     except ValueError as exc:
         raise ChaosSpecError(f"bad {what} in {where}: {exc}; {_GRAMMAR}") from None
     if positive and value <= 0:
-        raise ChaosSpecError(f"{what} in {where} must be > 0, found {text!r}; {_GRAMMAR}")
+        raise ChaosSpecError(f"{what} in {where} must be > 0 and {MAX_DURATION_TEXT}, found "
+                             f"{text!r}; {_GRAMMAR}")
     return value
 
 
@@ -324,7 +346,8 @@ def _grace(kind: FaultKind, grace: Any, where: str) -> float | None:
             f"a grace period applies only to maintenance and preempt, found one on "
             f"{kind.value} in {where}; drop the /GRACE part"
         )
-    return _duration(grace, "grace", where)
+    # 0 would be SIGKILL on the heels of the SIGTERM: no grace at all.
+    return _duration(grace, "grace", where, positive=True)
 
 
 def _stall_duration(kind: FaultKind, duration: Any, where: str) -> float | None:

@@ -32,6 +32,7 @@ from types import MappingProxyType
 from typing import Any
 
 from . import platform_types
+from .chaos import MAX_DURATION_S, MAX_DURATION_TEXT
 from .policy import Strategy
 from .record import SECRET_MASK, is_secret_name
 from .resources import MACHINE_TYPES, memory_limit_for
@@ -714,7 +715,11 @@ class _Parser:
         if isinstance(value, str):
             match = _DURATION_RE.match(value.strip())
             if match:
-                return float(match.group(1) + (match.group(2) or ""))
+                seconds = float(match.group(1) + (match.group(2) or ""))
+                if not seconds <= MAX_DURATION_S:   # 400 digits: float() says infinity
+                    raise JobSpecError(f"{path}: a duration is {MAX_DURATION_TEXT}, found "
+                                       f"{_show(value)}")
+                return seconds
         raise JobSpecError(
             f"{path}: expected a duration in seconds with an s, as the API writes it (e.g. "
             f"\"3600s\" or \"1.5s\"), found {_show(value)}")
