@@ -20,7 +20,7 @@ from .checkpoint.directory import (
 )
 from .checkpoint.retention import RetentionPolicy
 from .checkpoint.storage import Storage, StorageError
-from .launcher.record import JOB_FILE
+from .launcher.record import JOB_FILE, read_job
 
 EXIT_OK, EXIT_PROBLEMS, EXIT_USAGE = 0, 1, 2
 
@@ -94,12 +94,14 @@ def _checkpoint_dir(directory: str) -> str:
     AIP_CHECKPOINT_DIR its replicas were given, BASE_OUTPUT_DIRECTORY/checkpoints."""
     if "://" in directory:
         return directory
-    record = Path(directory) / JOB_FILE
-    if not record.is_file():
+    if not (Path(directory) / JOB_FILE).is_file():
         return directory
+    # A record that is no record is the command's error (JobRecordError, a ValueError);
+    # one without the field (written by hand) leaves the directory as given.
+    job = read_job(directory)
     try:
-        base = json.loads(record.read_text())["job_spec"]["base_output_directory"]
-    except (OSError, ValueError, KeyError, TypeError):
+        base = job["job_spec"]["base_output_directory"]
+    except (KeyError, TypeError):
         return directory
     found = f"{str(base).rstrip('/')}/checkpoints"
     print(f"job {directory}: its checkpoints are in {found}", file=sys.stderr)

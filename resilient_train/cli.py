@@ -715,11 +715,11 @@ def _local_status(args: argparse.Namespace) -> int:
     from .launcher.events import Event
     from .launcher.jobrecord import launcher_alive
     from .launcher.messages import JobState
-    from .launcher.record import describe_recovery, read_job, read_recoveries
+    from .launcher.record import JobRecordError, describe_recovery, read_job, read_recoveries
 
     try:
         job = read_job(args.job_dir)
-    except (FileNotFoundError, json.JSONDecodeError) as exc:
+    except (FileNotFoundError, JobRecordError) as exc:
         print(f"resilient-train status: error: {exc}", file=sys.stderr)
         return EXIT_USAGE
     if args.json:

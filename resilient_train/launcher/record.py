@@ -41,17 +41,77 @@ def write_json_atomic(path: Path, data: Any) -> None:
         raise
 
 
+# Bounds of what a job record can be. A real one is small: the README's demo writes 11 KB,
+# and each fault adds about 1.5 KB of events and 1 KB of recovery (a job with 300
+# maintenance events: 420 KB). 64 MiB is some 25,000 faults, more than a chaos stream's
+# cap; a record larger is not one, and parsing it would cost gigabytes (317 MB: 5.8 GB,
+# 61 s). It nests 6 levels deep (job_spec.platform.pools[].env); far deeper is no record,
+# and deeper still ends Python's parser in a RecursionError.
+MAX_RECORD_BYTES = 64 * 1024 * 1024
+MAX_RECORD_DEPTH = 32
+
+
+class JobRecordError(ValueError):
+    """A ``job.json`` that is no job record this version can read (malformed, too large,
+    nested too deep, unreadable): the message names the file, the problem and the fix."""
+
+
 def read_job(job_dir: str | os.PathLike[str]) -> dict[str, Any]:
+    """The job record in ``job_dir`` (or the ``job.json`` given itself): the one reader
+    for ``status``, ``report``, ``export --from-job`` and ``checkpoints``. Raises
+    FileNotFoundError when there is none, JobRecordError when it is not a record."""
     path = Path(job_dir)
     if path.is_dir():
         path = path / JOB_FILE
     try:
-        with open(path, encoding="utf-8") as f:
-            return json.load(f)  # type: ignore[no-any-return]
+        with open(path, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            # Read at most one byte past the bound: a file whose size stat cannot tell
+            # (a pipe, /proc) is bounded too.
+            data = b"" if size > MAX_RECORD_BYTES else f.read(MAX_RECORD_BYTES + 1)
     except FileNotFoundError:
         raise FileNotFoundError(
             f"no job record at {path}; pass the job directory that 'resilient-train launch' "
             f"printed (it holds job.json){_jobs_below(path.parent)}") from None
+    except OSError as exc:
+        raise JobRecordError(f"{path}: cannot be read ({exc.strerror or exc}); check that "
+                             f"it is a file you may read") from None
+    if size > MAX_RECORD_BYTES or len(data) > MAX_RECORD_BYTES:
+        raise _not_a_record(path, f"{format_bytes(max(size, len(data)))}, larger than any "
+                            f"job record ({format_bytes(MAX_RECORD_BYTES)} at most)")
+    try:
+        job = json.loads(data)
+    except RecursionError:
+        raise _not_a_record(path, f"nested deeper than {MAX_RECORD_DEPTH} levels") from None
+    except ValueError as exc:   # JSONDecodeError, UnicodeDecodeError
+        raise _not_a_record(path, f"not valid JSON ({first_line(str(exc))[:200]})") from None
+    if not isinstance(job, dict):
+        raise _not_a_record(path, f"not a JSON object (a JSON {type(job).__name__})")
+    if _deeper_than(job, MAX_RECORD_DEPTH):
+        raise _not_a_record(path, f"nested deeper than {MAX_RECORD_DEPTH} levels")
+    return job
+
+
+def _not_a_record(path: Path, problem: str) -> JobRecordError:
+    return JobRecordError(
+        f"{path} is not a job record: {problem}. It was not written by 'resilient-train "
+        f"launch', or was damaged since: pass the directory of a job that launch wrote (its "
+        f"first line names it), or launch the job again")
+
+
+def _deeper_than(value: Any, limit: int) -> bool:
+    """Whether JSON ``value`` nests more than ``limit`` lists and objects deep; without
+    recursion, so that any depth the parser returned is measured."""
+    stack: list[tuple[Any, int]] = [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        children = item.values() if isinstance(item, dict) else item
+        for child in children:
+            if isinstance(child, (dict, list)):
+                if depth >= limit:
+                    return True
+                stack.append((child, depth + 1))
+    return False
 
 
 def _jobs_below(parent: Path) -> str:
