@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 from .jobspec import JobSpec, JobSpecError, parse_job_spec
 from .policy import DEFAULT_BUDGETS, Strategy, default_policy
 from .programs import pool_spec_for
-from .record import SECRET_MASK, is_secret_name, mask_command
+from .record import SECRET_MASK, holds_mask, mask_command, mask_env
 from .resources import MACHINE_TYPES, memory_limit_for
 
 if TYPE_CHECKING:
@@ -116,7 +116,7 @@ class PlatformJob:
                 "pool": p.pool, "replicas": p.replicas,
                 "command": None if p.command is None else mask_command(p.command),
                 "image": p.image,
-                "env": {k: SECRET_MASK if is_secret_name(k) else v for k, v in p.env.items()},
+                "env": mask_env(p.env),
                 "machine_type": p.machine_type, "accelerator_type": p.accelerator_type,
                 "accelerator_count": p.accelerator_count,
                 "package_uris": list(p.package_uris),
@@ -388,8 +388,8 @@ def complete(job: PlatformJob, *, image: str | None = None,
             f"command in a container image; give --image {_IMAGE_EXAMPLE} (an image with "
             f"your code and its dependencies, e.g. built from examples/platform/Dockerfile), "
             f"or launch from a --job-spec whose pools name their imageUri")
-    masked = [f"{p.pool} command" for p in pools if p.command and SECRET_MASK in p.command]
-    masked += [f"{p.pool} env {k}" for p in pools for k, v in p.env.items() if v == SECRET_MASK]
+    masked = [f"{p.pool} command" for p in pools if p.command and holds_mask(p.command)]
+    masked += [f"{p.pool} env {k}" for p in pools for k, v in p.env.items() if holds_mask([v])]
     if masked:
         raise ExportError(
             f"the job record masks secrets ({', '.join(masked)}): exported, they would be "

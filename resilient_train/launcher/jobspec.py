@@ -34,7 +34,7 @@ from typing import Any
 from . import platform_types
 from .chaos import MAX_DURATION_S, MAX_DURATION_TEXT
 from .policy import Strategy
-from .record import SECRET_MASK, is_secret_name
+from .record import SECRET_MASK, mask_env
 from .resources import MACHINE_TYPES, memory_limit_for
 
 __all__ = ["JobSpec", "JobSpecError", "PoolSpec", "load_job_spec", "parse_job_spec"]
@@ -589,10 +589,11 @@ class _Parser:
                     f"digits and _, not starting with a digit")
             value = self.string(var["value"], f"{ipath}.value") if "value" in var else ""
             if "$(" in value:
+                shown = mask_env({name: value})[name]
                 self.notes.append(("env", (
                     f"{ipath}.value: $(VAR) references are expanded by the platform, not by "
                     f"the launcher: {name} gets "
-                    f"{SECRET_MASK if is_secret_name(name) else _show(value)} as written")))
+                    f"{shown if shown == SECRET_MASK else _show(shown)} as written")))
             env[name] = value
         return env
 
