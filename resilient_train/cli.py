@@ -746,7 +746,8 @@ def _local_status(args: argparse.Namespace) -> int:
     if g:
         print(f"goodput   {g['goodput']:.1%} of {g['wall_s']:.1f} s: productive "
               f"{g['productive_s']:.1f} s, lost {g['lost_s']:.1f} s ({g['steps_lost']} steps), "
-              f"recovery {g['recovery_s']:.1f} s, checkpoint {g['checkpoint_s']:.1f} s, "
+              f"recovery {g['recovery_s']:.1f} s (training stopped, fault to training again), "
+              f"checkpoint {g['checkpoint_s']:.1f} s, "
               f"startup {g['startup_s']:.1f} s, other {g['other_s']:.1f} s")
     for att in job.get("attempts", []):
         print(f"attempt {att['attempt']}: {att['start_time']} .. {att['end_time'] or 'now'}"

@@ -546,7 +546,9 @@ def describe_recovery(n: int, rec: Mapping[str, Any], created: str | None = None
     if lost is not None:
         line += f" (lost {lost} step{'' if lost == 1 else 's'})"
     if rec.get("seconds") is not None:
-        line += f" in {rec['seconds']:.2f} s"
+        # The ranks' restore alone: training stood still longer (the fault noticed, the
+        # restart, the group re-formed), which the goodput's recovery time counts.
+        line += f", restore {rec['seconds']:.2f} s (slowest rank's transfer/read)"
     line += f"; ranks from {source_counts(rec) or 'nowhere'}"
     read = rec.get("bytes_read") or {}
     if read:
