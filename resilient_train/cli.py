@@ -425,6 +425,9 @@ def _launch(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         out.line(f"chaos: {fault.spec} never fired: {fault.why}"
                  + (f" ({fault.fired} of {fault.count} fired)" if fault.random and fault.count
                     else ""))
+    cancelled = launcher.cancel_note()
+    if cancelled is not None:
+        out.line(cancelled)
     if status == STATUS_FAULT_NOT_FIRED:
         out.line(f"the job succeeded, but {sum(not f.random for f in unfired)} of its faults "
                  f"never fired: the resilience test did not happen (exit status "

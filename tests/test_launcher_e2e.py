@@ -701,7 +701,18 @@ def test_a_signal_to_the_launcher_cancels_the_job(e2e: E2E, how: str) -> None:
     codes = {replica(rec, n)["exit_codes"][-1] for n in (PRIMARY, "workerpool1-0")}
     assert codes == ({137} if twice else {143})
     assert replica(rec, PRIMARY)["status"] == "stopped"
-    assert f"{sig.name}: cancelling the job" in out.read_text()
+    # Said as it happened: what asked (a Ctrl-C is the user's interrupt), and that the
+    # workers got SIGTERM from the launcher, which their own lines then name.
+    cause = {"SIGINT": "your interrupt (SIGINT)", "SIGTERM": "a SIGTERM to the launcher",
+             "SIGHUP": "the terminal closing (SIGHUP)"}[sig.name]
+    lines = out.read_text().splitlines()
+    assert any(ln.endswith(f"[launcher] {cause}: cancelling the job: each worker gets "
+                           f"SIGTERM, as on the platform (again to kill at once)")
+               for ln in lines), lines
+    passed = "SIGTERM, then SIGKILL at the second" if twice else "SIGTERM"
+    assert lines[-1].startswith("job record: ") and lines[-2] == (
+        f"the job was cancelled by {cause}, which the launcher passed to its workers as "
+        f"{passed}: a worker's line that says SIGTERM is this"), lines[-3:]
 
 
 @pytest.mark.parametrize("setsid", [False, True], ids=["same-group", "own-session"])
