@@ -254,6 +254,31 @@ def test_cli_verify_of_a_missing_step_is_a_usage_error(
     assert "no step 99" in capsys.readouterr().err
 
 
+def test_prune_removes_a_linked_step_and_never_deletes_through_a_link(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A step directory linked in from another run, and a file of a step linked to a copy
+    elsewhere: retention (the same prune) removes the links, never what they point to."""
+    other = saved_dir(tmp_path / "other", 1)                     # its step 1
+    directory = saved_dir(tmp_path / "this")                     # steps 2, 3, 4
+    os.symlink(f"../../other/ckpt/{step_dirname(1)}", directory / step_dirname(1))
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    shard = directory / step_dirname(2) / "shared.pt"
+    data = shard.read_bytes()
+    shard.rename(outside / "shared.pt")
+    os.symlink(outside / "shared.pt", shard)
+    assert cli.main(["checkpoints", "verify", str(directory)]) == 0   # through the links
+    assert capsys.readouterr().out.count(" ok ") == 4
+
+    assert cli.main(["checkpoints", "prune", str(directory), "--keep-last", "1"]) == 0
+    assert "deleted 3:" in capsys.readouterr().out
+    assert os.listdir(directory) == [step_dirname(4)]
+    assert (other / step_dirname(1) / "COMMITTED").is_file()
+    assert cli.main(["checkpoints", "verify", str(other)]) == 0       # still committed
+    assert capsys.readouterr().out.count(" ok ") == 1
+    assert (outside / "shared.pt").read_bytes() == data
+
+
 def test_a_blocking_save_of_a_meta_tensor_is_a_clear_error(tmp_path: Path) -> None:
     # Blocking saves of state off the CPU go through the host snapshot, which names the
     # tensor that cannot be saved (torch.save would write a meta tensor without data).

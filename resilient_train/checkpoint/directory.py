@@ -273,7 +273,9 @@ def prune(storage: Storage, retention: RetentionPolicy, *, protect: str | None =
         else:
             continue
         log.info("deleting %s (%s)", storage.url_of(info.name), reason)
-        if not dry_run:
+        if not dry_run and storage.is_link(info.name):
+            _remove_link(storage, info.name)
+        elif not dry_run:
             if info.committed:
                 # Marker first: a crash part-way through the delete must leave an
                 # uncommitted leftover, never a committed step with files missing.
@@ -282,6 +284,19 @@ def prune(storage: Storage, retention: RetentionPolicy, *, protect: str | None =
             storage.delete(info.name, recursive=True)
         removed.append(info.name)
     return removed
+
+
+def _remove_link(storage: Storage, name: str) -> None:
+    """A linked step is this directory's name only (another run's step, say): the link
+    goes, what it points to stays. Deleting its marker through the link would uncommit
+    the other run's step."""
+    path = storage.url_of(name)
+    try:
+        target = os.readlink(path)
+    except OSError:
+        target = "?"
+    storage.delete(name)   # the link itself
+    log.info("removed %s, a link to %s; what it points to is left alone", path, target)
 
 
 def _usability_problems(storage: Storage, info: StepInfo, deep: bool) -> list[str]:
