@@ -382,7 +382,7 @@ def _spawn(args: argparse.Namespace) -> int:
 
 
 def _launch(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
-    from .launcher.chaos import ChaosSpecError
+    from .launcher.chaos import ChaosSpecError, bare_time_hints
     from .launcher.jobspec import JobSpecError, load_job_spec
     from .launcher.messages import STATUS_FAULT_NOT_FIRED, STATUS_INTERNAL
     from .launcher.policy import PolicyError
@@ -403,6 +403,8 @@ def _launch(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         return EXIT_USAGE
     for note in notes:
         out.line(f"job spec: {note}")
+    for hint in bare_time_hints(options.chaos):
+        out.line(hint)
     fuse = fuse_path_note(options.output_dir)
     if fuse is not None:
         out.line(fuse)

@@ -61,6 +61,7 @@ __all__ = [
     "RandomFault",
     "ScheduledFault",
     "UnfiredFault",
+    "bare_time_hints",
     "load_chaos",
     "parse_chaos",
     "parse_duration",
@@ -458,6 +459,30 @@ def parse_chaos(text: str, *, seed: int = 0) -> ChaosSpec:
             raise ChaosSpecError(f"empty item {number} (column {column - 1}); {_GRAMMAR}")
         items.append(replace(_parse_item(item, where), written=item))
     return _build(items, seed)
+
+
+# A fixed fault's item whose TIME is a bare number: KIND[:TARGET]@N, then its suffixes.
+_BARE_TIME_RE = re.compile(
+    r"(?P<head>[^@~]*@)\s*(?P<n>\d+(?:\.\d*)?|\.\d+)\s*(?P<rest>[+*/].*)?", re.DOTALL)
+
+
+def bare_time_hints(spec: ChaosSpec) -> list[str]:
+    """A line for each fault written at a bare number (``kill:1@85``): seconds, as the
+    grammar has always said and specs in use write it, though ``@step85`` may have been
+    meant; kept, and said aloud. A JSON file's ``at`` and ``at_step`` are two keys: no
+    doubt there."""
+    hints = []
+    for fault in spec.faults:
+        bare = _BARE_TIME_RE.fullmatch(fault.written or "")
+        if bare is None or fault.at_step is not None:
+            continue
+        head, n, rest = bare.group("head"), bare.group("n"), bare.group("rest") or ""
+        hint = (f"chaos: {fault.written} fires {n} s after RUNNING (a bare number is "
+                f"seconds): write {head}{n}s{rest} to say so")
+        if n.isdigit():
+            hint += f", or {head}step{n}{rest} for the primary's step {n}"
+        hints.append(hint)
+    return hints
 
 
 _FAULT_KEYS = {"kind", "at", "at_step", "target", "grace", "duration", "speed"}
