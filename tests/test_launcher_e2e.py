@@ -490,15 +490,10 @@ def test_exit_134_retries_the_job_three_times_then_fails(e2e: E2E) -> None:
         f"workerpool0-0.a{i}.r{i - 1}.ready" for i in (1, 2, 3, 4)]
 
 
-@pytest.mark.parametrize("kind", ["missing", "not-executable"])
-def test_a_command_that_cannot_start_is_a_start_error(e2e: E2E, kind: str) -> None:
-    if kind == "missing":
-        command = str(e2e.tmp / "no-such-trainer")
-        reason = "No such file or directory"
-    else:
-        command = str(e2e.tmp / "train.sh")
-        Path(command).write_text("#!/bin/sh\nexit 0\n")
-        reason = "Permission denied"
+def test_a_command_that_cannot_start_is_a_start_error(e2e: E2E) -> None:
+    # A name the replica's PATH resolves (a path is checked before the job starts).
+    command = f"no-such-trainer-{uuid.uuid4().hex[:8]}"
+    reason = "No such file or directory"
     status, rec, out = e2e.launch(script=[command, "--lr", "1"])
     assert (status, rec["state"]) == (128, "JOB_STATE_FAILED")
     assert rec["error"] == {
@@ -507,6 +502,57 @@ def test_a_command_that_cannot_start_is_a_start_error(e2e: E2E, kind: str) -> No
                    f"Termination reason: StartError.\ncannot start {command!r}: {reason}"}
     assert len(rec["attempts"]) == 1
     assert f"cannot start {command!r}" in out
+
+
+@pytest.mark.parametrize(("command", "missing", "hint"), [
+    # A typo: found before the job starts, not under a replica's long path once it ran.
+    ([PY, "examples/trian_demo.py", "--steps", "2"], "examples/trian_demo.py",
+     "did you mean examples/train_demo.py?"),
+    (["python3", "-u", "-W", "ignore", "-X", "dev", "missing.py"], "missing.py", None),
+    ([PY, "-O", "--", "gone/train.py"], "gone/train.py", None),
+    (["./train.sh", "--lr", "1"], "./train.sh", None),
+], ids=["python-typo", "python3-options", "after-dashes", "program-path"])
+def test_a_missing_script_is_refused_before_the_job_starts(
+        tmp_path: Path, command: list[str], missing: str, hint: str | None) -> None:
+    (tmp_path / "examples").mkdir()
+    (tmp_path / "examples" / "train_demo.py").write_text("")
+    job_dir = tmp_path / "job"
+    result = subprocess.run(
+        [PY, "-m", "resilient_train.cli", "launch", "--job-dir", str(job_dir), "--", *command],
+        capture_output=True, text=True, timeout=WAIT_S, cwd=tmp_path, check=False)
+    assert result.returncode == 2, result.stdout + result.stderr
+    err = result.stderr
+    assert err.startswith("resilient-train launch: error: "), err
+    assert f"{missing} does not exist" in err, err                  # the file, as given
+    assert f"resolved against {tmp_path}" in err, err               # and where it was looked for
+    assert hint is None or hint in err, err
+    assert "Traceback" not in err
+    assert not job_dir.exists()
+
+
+def test_a_script_not_there_at_launch_is_refused_from_a_job_spec_too(tmp_path: Path) -> None:
+    """A spec's command runs on this host, in each replica's working directory: a view of
+    the one the launch started in, so a relative script is looked for there."""
+    spec = tmp_path / "spec.yaml"
+    spec.write_text("workerPoolSpecs:\n- machineSpec: {machineType: n1-standard-4}\n"
+                    "  replicaCount: 1\n  containerSpec:\n    imageUri: local/x:1\n"
+                    f"    command: [{PY}, trainer/task.py]\n")
+    result = subprocess.run(
+        [PY, "-m", "resilient_train.cli", "launch", "--job-spec", str(spec), "--job-dir",
+         str(tmp_path / "job")], capture_output=True, text=True, timeout=WAIT_S,
+        cwd=tmp_path, check=False)
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert "trainer/task.py does not exist" in result.stderr, result.stderr
+    assert f"resolved against {tmp_path}" in result.stderr
+    assert not (tmp_path / "job").exists()
+
+
+@pytest.mark.parametrize("command", [
+    [PY, "-c", "pass"], [PY, "-m", "json.tool", "--help"], [PY, "-W", "ignore", "-c", "pass"],
+    ["true"], ["sh", "-c", "exit 0"]])
+def test_what_the_launcher_cannot_check_still_runs(e2e: E2E, command: list[str]) -> None:
+    status, rec, _ = e2e.launch(script=command)
+    assert (status, rec["state"]) == (0, "JOB_STATE_SUCCEEDED")
 
 
 def test_a_job_wide_fault_during_a_retry_hits_the_next_attempt(e2e: E2E) -> None:

@@ -52,7 +52,7 @@ from .machines import Machines
 from .memory import MemoryLimit
 from .messages import STATUS_FAULT_NOT_FIRED, STATUS_INTERNAL
 from .policy import Policy, Strategy
-from .processes import ProcessTrees, Worker, kill_all, spawn
+from .processes import ProcessTrees, Worker, kill_all, missing_program, spawn
 from .programs import PoolProgram
 from .quota import Capacity, LocalQuota, Request, default_quota_dir
 from .record import (
@@ -155,6 +155,13 @@ class Launcher:
         listed = replicas_for(options.pools + options.listed_only)
         self.replicas = tuple(r for r in listed if r.pool not in listed_only)
         self._programs = {pool: options.program(pool) for pool, _ in options.pools}
+        # A typo in the script's path is an error here, not a failure under a replica's
+        # path once the job started.
+        for pool, program in self._programs.items():
+            missing = missing_program(program.command, Path.cwd())
+            if missing is not None:
+                where = "" if program.command == options.command else f"{pool}'s command: "
+                raise LaunchError(where + missing)
         self._by_name = {r.name: r for r in self.replicas}
         # Absolute: the paths handed to workers (error reports, telemetry, AIP_*) must hold
         # for a worker that changes directory.
