@@ -72,3 +72,9 @@ def format_duration(seconds: float, *, fixed: bool = False) -> str:
         return f"{m} min {s:02d} s"
     h, m = divmod(round(seconds / 60), 60)
     return f"{h} h {m:02d} min"
+
+
+# The longest duration any option, fault or job spec field means: a year. Longer is a
+# typo, or a number float() reads as infinity, which no sleep, timer or deadline takes.
+MAX_DURATION_S = 365 * 24 * 3600.0
+MAX_DURATION_TEXT = "at most 8760h (365 days)"

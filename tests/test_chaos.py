@@ -2,6 +2,8 @@ from __future__ import annotations
 
 import json
 import math
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -35,6 +37,15 @@ REPLICAS = ["workerpool0-0", "workerpool1-0", "workerpool1-1"]
 )
 def test_parse_duration(text: str, seconds: float) -> None:
     assert parse_duration(text) == pytest.approx(seconds)
+
+
+@pytest.mark.parametrize("value", ["9" * 400, "9" * 400 + "h", "8761h", "1000000000",
+                                   math.inf, math.nan])
+def test_parse_duration_refuses_what_no_option_can_mean(value: str | float) -> None:
+    """A duration that float() reads as infinity (or one longer than a year) is no
+    time any option or fault can mean: refused, the range named."""
+    with pytest.raises(ValueError, match="at most 8760h"):
+        parse_duration(value)
 
 
 def test_fault_kind_scope() -> None:
@@ -163,6 +174,11 @@ def test_spec_truthiness_and_seed() -> None:
         ("hang:1@step40+soon", ["bad duration", "'soon'"]),
         ("hang:1@", ["bad time", "hang:1@step40+30s", "slow:1@20s+60s*0.25"]),
         ("hang~0s+1s", ["must be > 0"]),
+        # SIGTERM and SIGKILL at once: no grace period at all.
+        ("preempt:1@5s/0", ["grace in item 1", "must be > 0", "at most 8760h"]),
+        ("maintenance:1@5s/0ms", ["grace in item 1", "must be > 0"]),
+        ("preempt:1@5s/" + "9" * 400, ["bad grace in item 1", "at most 8760h"]),
+        ("kill@" + "9" * 400, ["bad time in item 1", "at most 8760h"]),
     ],
 )
 def test_parse_errors_name_item_and_fix(text: str, fragments: list[str]) -> None:
@@ -313,3 +329,32 @@ def test_step_triggered_faults_parse_and_wait_for_their_step(tmp_path: Path) -> 
         load_chaos(f"@{path}")
     with pytest.raises(ChaosSpecError, match=r"KIND\[:REPLICA\]@stepN"):
         parse_chaos("kill@stepX")
+
+
+def test_a_bare_number_is_seconds_and_says_step_n_may_have_been_meant() -> None:
+    """``kill:1@85`` is 85 s after RUNNING, as the grammar has always said (and specs in
+    use write it); a hint says so and names ``@step85``. Nothing with a unit, a step or a
+    mean gets one."""
+    from resilient_train.launcher.chaos import bare_time_hints
+
+    spec = parse_chaos("kill:1@85,preempt:0@2.5/5s,kill@20s,kill:1@step85,kill~30,oom@1m")
+    assert bare_time_hints(spec) == [
+        "chaos: kill:1@85 fires 85 s after RUNNING (a bare number is seconds): write "
+        "kill:1@85s to say so, or kill:1@step85 for the primary's step 85",
+        "chaos: preempt:0@2.5/5s fires 2.5 s after RUNNING (a bare number is seconds): write "
+        "preempt:0@2.5s/5s to say so",
+    ]
+    assert spec.faults[0].at == 85.0   # still seconds
+
+
+def test_launch_prints_the_hint_before_the_job_starts(tmp_path: Path) -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "resilient_train.cli", "launch", "--job-dir",
+         str(tmp_path / "job"), "--chaos", "kill:0@85", "--", sys.executable, "-c", "pass"],
+        capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    lines = done.stdout.splitlines()
+    hint = ("chaos: kill:0@85 fires 85 s after RUNNING (a bare number is seconds): write "
+            "kill:0@85s to say so, or kill:0@step85 for the primary's step 85")
+    assert hint in lines, done.stdout + done.stderr
+    assert lines.index(hint) < next(i for i, ln in enumerate(lines) if "JOB_STATE_QUEUED" in ln)
+    assert done.returncode == 78   # the job ended first: the fault never fired, as before

@@ -10,15 +10,18 @@ from pathlib import Path
 import pytest
 import torch
 
+from resilient_train.checkpoint.commit.directory import DEL_PREFIX, DELETING_PREFIX, TMP_PREFIX
 from resilient_train.checkpoint.commit.manifest import (
     CorruptCheckpointError,
     FileEntry,
     Manifest,
     check_marker,
+    crc32c,
     marker_bytes,
     parse_step,
     step_dirname,
 )
+from resilient_train.checkpoint.commit.protocol import committer_for
 from resilient_train.checkpoint.commit.retention import CommittedStep, RetentionPolicy, to_delete
 from resilient_train.checkpoint.manager import CheckpointManager, CheckpointOptions
 from resilient_train.checkpoint.schedule.policies import (
@@ -29,6 +32,7 @@ from resilient_train.checkpoint.schedule.policies import (
     every_n_steps,
     never,
 )
+from resilient_train.checkpoint.storage.base import Storage
 from resilient_train.cli import main as cli
 
 
@@ -252,6 +256,87 @@ def test_cli_verify_of_a_missing_step_is_a_usage_error(
     directory = saved_dir(tmp_path, 1)
     assert cli.main(["checkpoints", "verify", str(directory), "--step", "99"]) == 2
     assert "no step 99" in capsys.readouterr().err
+
+
+def test_prune_removes_a_linked_step_and_never_deletes_through_a_link(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A step directory linked in from another run, and a file of a step linked to a copy
+    elsewhere: retention (the same prune) removes the links, never what they point to."""
+    other = saved_dir(tmp_path / "other", 1)                     # its step 1
+    directory = saved_dir(tmp_path / "this")                     # steps 2, 3, 4
+    os.symlink(f"../../other/ckpt/{step_dirname(1)}", directory / step_dirname(1))
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    shard = directory / step_dirname(2) / "shared.pt"
+    data = shard.read_bytes()
+    shard.rename(outside / "shared.pt")
+    os.symlink(outside / "shared.pt", shard)
+    assert cli.main(["checkpoints", "verify", str(directory)]) == 0   # through the links
+    assert capsys.readouterr().out.count(" ok ") == 4
+
+    assert cli.main(["checkpoints", "prune", str(directory), "--keep-last", "1"]) == 0
+    assert "deleted 3:" in capsys.readouterr().out
+    assert os.listdir(directory) == [step_dirname(4)]
+    assert (other / step_dirname(1) / "COMMITTED").is_file()
+    assert cli.main(["checkpoints", "verify", str(other)]) == 0       # still committed
+    assert capsys.readouterr().out.count(" ok ") == 1
+    assert (outside / "shared.pt").read_bytes() == data
+
+
+def _commit(storage: Storage, step: int, token: str) -> str:
+    committer = committer_for(storage, token)
+    work = committer.work_dir(step)
+    data = f"weights of step {step}".encode()
+    storage.write_bytes(f"{work}/data.bin", data)
+    return committer.commit(work, Manifest(step=step, world_size=1, layout="replicated",
+                                           files={"data.bin": FileEntry(len(data),
+                                                                        crc32c(data))}))
+
+
+@pytest.mark.parametrize("kind", ["local", "memory"])
+def test_verify_names_debris_without_failing_and_prune_removes_it(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], kind: str) -> None:
+    """Leftovers of deletes and saves that were interrupted are debris, not damage: verify
+    exits 0 and says how to remove them; a committed step that does not verify still
+    fails it."""
+    url = str(tmp_path / "c") if kind == "local" else f"memory://rt-{tmp_path.name}/c"
+    storage = Storage(url)
+    names = {step: _commit(storage, step, "0a0a0a0a") for step in (3, 4, 5)}
+    if kind == "local":
+        debris = [
+            f"{DEL_PREFIX}{step_dirname(2)}-0badf00d",          # renamed, then killed
+            f"{TMP_PREFIX}{step_dirname(3)}-deadbeef",          # a save that crashed
+            step_dirname(1),   # an older version's delete: the marker went first
+        ]
+        for name in debris:
+            storage.write_bytes(f"{name}/data.bin", b"left behind")
+    else:
+        half = f"{step_dirname(1)}-0a0a0a0a"          # an interrupted delete: no marker
+        storage.write_bytes(f"{half}/data.bin", b"left behind")
+        storage.write_bytes(f"{DELETING_PREFIX}{half}", b"{}")
+        gone = f"{DELETING_PREFIX}{step_dirname(2)}-0a0a0a0a"   # only its record left
+        storage.write_bytes(gone, b"{}")
+        crashed = f"{step_dirname(2)}-0b0b0b0b"       # a save that crashed, no record
+        storage.write_bytes(f"{crashed}/data.bin", b"left behind")
+        debris = [half, gone, crashed]
+
+    assert cli.main(["checkpoints", "verify", url]) == 0
+    out = capsys.readouterr().out
+    for name in debris:
+        (line,) = [line for line in out.splitlines() if line.endswith(name)]
+        assert "debris" in line, out
+    assert out.count(f"resilient-train checkpoints prune {url}") == len(debris), out
+    assert cli.main(["checkpoints", "list", url, "--json"]) == 0
+    rows = {r["name"]: r for r in json.loads(capsys.readouterr().out)}
+    assert {n for n, r in rows.items() if r["debris"]} == set(debris)
+
+    storage.write_bytes(f"{names[5]}/data.bin", b"weights of step 9")   # same size
+    assert cli.main(["checkpoints", "verify", url]) == 1               # real damage
+    out = capsys.readouterr().out
+    assert "CORRUPT" in out and "checksum mismatch" in out
+    assert cli.main(["checkpoints", "prune", url, "--keep-last", "3"]) == 0
+    assert capsys.readouterr().out.startswith(f"deleted {len(debris)}:")
+    assert storage.listdir("") == sorted(names.values())
 
 
 def test_a_blocking_save_of_a_meta_tensor_is_a_clear_error(tmp_path: Path) -> None:

@@ -173,6 +173,10 @@ BAD = [
      ('scheduling.timeout: expected a duration in seconds with '
       'an s, as the API writes it (e.g. "3600s" or "1.5s"), found 3600')),
     ("scheduling", {"timeout": "1h"}, 'scheduling.timeout: expected a duration'),
+    ("scheduling", {"timeout": "9" * 400 + "s"},
+     "scheduling.timeout: a duration is at most 8760h (365 days)"),
+    ("scheduling", {"maxWaitDuration": "9" * 400 + "s"},
+     "scheduling.maxWaitDuration: a duration is at most 8760h (365 days)"),
     ("scheduling", {"strategy": "spot"},
      'scheduling.strategy: expected one of STANDARD, SPOT, FLEX_START'),
     ("scheduling", {"restartJobOnWorkerRestart": "yes"},

@@ -490,15 +490,10 @@ def test_exit_134_retries_the_job_three_times_then_fails(e2e: E2E) -> None:
         f"workerpool0-0.a{i}.r{i - 1}.ready" for i in (1, 2, 3, 4)]
 
 
-@pytest.mark.parametrize("kind", ["missing", "not-executable"])
-def test_a_command_that_cannot_start_is_a_start_error(e2e: E2E, kind: str) -> None:
-    if kind == "missing":
-        command = str(e2e.tmp / "no-such-trainer")
-        reason = "No such file or directory"
-    else:
-        command = str(e2e.tmp / "train.sh")
-        Path(command).write_text("#!/bin/sh\nexit 0\n")
-        reason = "Permission denied"
+def test_a_command_that_cannot_start_is_a_start_error(e2e: E2E) -> None:
+    # A name the replica's PATH resolves (a path is checked before the job starts).
+    command = f"no-such-trainer-{uuid.uuid4().hex[:8]}"
+    reason = "No such file or directory"
     status, rec, out = e2e.launch(script=[command, "--lr", "1"])
     assert (status, rec["state"]) == (128, "JOB_STATE_FAILED")
     assert rec["error"] == {
@@ -507,6 +502,57 @@ def test_a_command_that_cannot_start_is_a_start_error(e2e: E2E, kind: str) -> No
                    f"Termination reason: StartError.\ncannot start {command!r}: {reason}"}
     assert len(rec["attempts"]) == 1
     assert f"cannot start {command!r}" in out
+
+
+@pytest.mark.parametrize(("command", "missing", "hint"), [
+    # A typo: found before the job starts, not under a replica's long path once it ran.
+    ([PY, "examples/trian_demo.py", "--steps", "2"], "examples/trian_demo.py",
+     "did you mean examples/train_demo.py?"),
+    (["python3", "-u", "-W", "ignore", "-X", "dev", "missing.py"], "missing.py", None),
+    ([PY, "-O", "--", "gone/train.py"], "gone/train.py", None),
+    (["./train.sh", "--lr", "1"], "./train.sh", None),
+], ids=["python-typo", "python3-options", "after-dashes", "program-path"])
+def test_a_missing_script_is_refused_before_the_job_starts(
+        tmp_path: Path, command: list[str], missing: str, hint: str | None) -> None:
+    (tmp_path / "examples").mkdir()
+    (tmp_path / "examples" / "train_demo.py").write_text("")
+    job_dir = tmp_path / "job"
+    result = subprocess.run(
+        [PY, "-m", "resilient_train.cli", "launch", "--job-dir", str(job_dir), "--", *command],
+        capture_output=True, text=True, timeout=WAIT_S, cwd=tmp_path, check=False)
+    assert result.returncode == 2, result.stdout + result.stderr
+    err = result.stderr
+    assert err.startswith("resilient-train launch: error: "), err
+    assert f"{missing} does not exist" in err, err                  # the file, as given
+    assert f"resolved against {tmp_path}" in err, err               # and where it was looked for
+    assert hint is None or hint in err, err
+    assert "Traceback" not in err
+    assert not job_dir.exists()
+
+
+def test_a_script_not_there_at_launch_is_refused_from_a_job_spec_too(tmp_path: Path) -> None:
+    """A spec's command runs on this host, in each replica's working directory: a view of
+    the one the launch started in, so a relative script is looked for there."""
+    spec = tmp_path / "spec.yaml"
+    spec.write_text("workerPoolSpecs:\n- machineSpec: {machineType: n1-standard-4}\n"
+                    "  replicaCount: 1\n  containerSpec:\n    imageUri: local/x:1\n"
+                    f"    command: [{PY}, trainer/task.py]\n")
+    result = subprocess.run(
+        [PY, "-m", "resilient_train.cli", "launch", "--job-spec", str(spec), "--job-dir",
+         str(tmp_path / "job")], capture_output=True, text=True, timeout=WAIT_S,
+        cwd=tmp_path, check=False)
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert "trainer/task.py does not exist" in result.stderr, result.stderr
+    assert f"resolved against {tmp_path}" in result.stderr
+    assert not (tmp_path / "job").exists()
+
+
+@pytest.mark.parametrize("command", [
+    [PY, "-c", "pass"], [PY, "-m", "json.tool", "--help"], [PY, "-W", "ignore", "-c", "pass"],
+    ["true"], ["sh", "-c", "exit 0"]])
+def test_what_the_launcher_cannot_check_still_runs(e2e: E2E, command: list[str]) -> None:
+    status, rec, _ = e2e.launch(script=command)
+    assert (status, rec["state"]) == (0, "JOB_STATE_SUCCEEDED")
 
 
 def test_a_job_wide_fault_during_a_retry_hits_the_next_attempt(e2e: E2E) -> None:
@@ -701,7 +747,18 @@ def test_a_signal_to_the_launcher_cancels_the_job(e2e: E2E, how: str) -> None:
     codes = {replica(rec, n)["exit_codes"][-1] for n in (PRIMARY, "workerpool1-0")}
     assert codes == ({137} if twice else {143})
     assert replica(rec, PRIMARY)["status"] == "stopped"
-    assert f"{sig.name}: cancelling the job" in out.read_text()
+    # Said as it happened: what asked (a Ctrl-C is the user's interrupt), and that the
+    # workers got SIGTERM from the launcher, which their own lines then name.
+    cause = {"SIGINT": "your interrupt (SIGINT)", "SIGTERM": "a SIGTERM to the launcher",
+             "SIGHUP": "the terminal closing (SIGHUP)"}[sig.name]
+    lines = out.read_text().splitlines()
+    assert any(ln.endswith(f"[launcher] {cause}: cancelling the job: each worker gets "
+                           f"SIGTERM, as on the platform (again to kill at once)")
+               for ln in lines), lines
+    passed = "SIGTERM, then SIGKILL at the second" if twice else "SIGTERM"
+    assert lines[-1].startswith("job record: ") and lines[-2] == (
+        f"the job was cancelled by {cause}, which the launcher passed to its workers as "
+        f"{passed}: a worker's line that says SIGTERM is this"), lines[-3:]
 
 
 @pytest.mark.parametrize("setsid", [False, True], ids=["same-group", "own-session"])
@@ -927,6 +984,41 @@ def test_malformed_duration_or_size_says_what_is_expected(e2e: E2E, option: str,
     assert exc.value.code == 2
     err = e2e.capsys.readouterr().err
     assert f"argument {option}: {expected}" in err and repr(value) in err
+
+
+INFINITE = "9" * 400   # a number of seconds float() reads as infinity
+
+
+@pytest.mark.parametrize(("args", "fragment"), [
+    # No time between SIGTERM and SIGKILL: every worker exited 1 on its grace variable.
+    (["launch", "--grace", "0"], "--grace: a grace period is more than 0 s and at most 8760h"),
+    (["launch", "--grace=0ms"], "--grace: a grace period is more than 0 s and at most 8760h"),
+    (["launch", "--grace", INFINITE], "--grace: a grace period is more than 0 s and at most"),
+    (["launch", "--grace", "9000h"], "--grace: a grace period is more than 0 s and at most"),
+    (["launch", "--timeout", INFINITE + "h"], "--timeout: a duration is at most 8760h"),
+    (["launch", "--start-jitter", INFINITE], "--start-jitter: a duration is at most 8760h"),
+    (["launch", "--strategy", "flex-start", "--max-wait", INFINITE],
+     "--max-wait: a duration is at most 8760h"),
+    (["spawn", "--stop-grace", "0"], "--stop-grace: a grace period is more than 0 s"),
+    (["spawn", "--stop-grace", INFINITE], "--stop-grace: a grace period is more than 0 s"),
+    (["status", "projects/p/locations/r/customJobs/1", "--follow", "--interval", "0"],
+     "--interval: an interval is more than 0 s and at most 8760h"),
+], ids=["grace-0", "grace-0ms", "grace-inf", "grace-9000h", "timeout-inf", "jitter-inf",
+        "max-wait-inf", "stop-grace-0", "stop-grace-inf", "interval-0"])
+def test_a_duration_out_of_its_range_is_refused_when_parsed(tmp_path: Path, args: list[str],
+                                                            fragment: str) -> None:
+    """The range is checked as the command line is parsed (exit 2, the range named), not
+    found by the workers once the job has started."""
+    job_dir = tmp_path / "j"
+    command = {"launch": [*args, "--job-dir", str(job_dir), "--", PY, "-c", "pass"],
+               "spawn": [*args, "--", PY, "-c", "pass"]}.get(args[0], args)
+    result = subprocess.run(
+        [PY, "-m", "resilient_train.cli", *command],
+        capture_output=True, text=True, timeout=WAIT_S, cwd=tmp_path, check=False)
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert fragment in result.stderr, result.stderr
+    assert "Traceback" not in result.stderr
+    assert not job_dir.exists()   # nothing ran, nothing was written
 
 
 def test_bad_input_through_the_real_cli_process(e2e: E2E) -> None:

@@ -4,10 +4,13 @@ get, from its own disk or a neighbour's, else from storage. Real files, real pro
 
 from __future__ import annotations
 
+import json
 import logging
+import os
 import re
 import shutil
 import threading
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -16,21 +19,32 @@ from jobs import assert_same_end, launch_job, the_recovery
 
 import resilient_train as rt
 from resilient_train.checkpoint.commit.directory import SHARED_FILE
-from resilient_train.checkpoint.commit.manifest import MARKER
+from resilient_train.checkpoint.commit.manifest import MANIFEST, MARKER, marker_bytes
 
 HERE = Path(__file__).resolve().parent
 
 
-def train(tmp: Path, steps: int, *, every: int = 3, final: bool = False
-          ) -> rt.CheckpointManager:
-    """A manager with a node-local tier (every save there, every 3rd to storage); restores,
-    trains ``steps`` steps saving each one, closes. Returns the (closed) manager."""
+@dataclass
+class Run:
+    """One run of :func:`train_on`: its (closed) manager, the step it resumed from (0: a
+    fresh start) and its final weights."""
+
+    mgr: rt.CheckpointManager
+    start: int
+    weights: dict[str, torch.Tensor]
+
+
+def train_on(ckpt: Path, local: Path, steps: int, *, every: int = 3,
+             final: bool = False) -> Run:
+    """A manager on checkpoint directory ``ckpt`` with a node-local tier in ``local`` (every
+    save there, every 3rd to storage); restores, trains ``steps`` steps saving each one,
+    closes."""
     torch.manual_seed(0)
     model = torch.nn.Linear(3, 3)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    mgr = rt.CheckpointManager(tmp / "persistent", options=rt.CheckpointOptions(
+    mgr = rt.CheckpointManager(ckpt, options=rt.CheckpointOptions(
         save_every_steps=1, async_save=False,
-        node_local=rt.NodeLocal(directory=str(tmp / "local"), persistent_every=every)))
+        node_local=rt.NodeLocal(directory=str(local), persistent_every=every)))
     mgr.track(model=model, optimizer=opt)
     start = mgr.restore_latest() or 0
     for step in range(start, start + steps):
@@ -40,7 +54,17 @@ def train(tmp: Path, steps: int, *, every: int = 3, final: bool = False
     if final:
         mgr.save(start + steps)   # a direct save goes to storage too
     mgr.close()
-    return mgr
+    return Run(mgr, start, {k: v.clone() for k, v in model.state_dict().items()})
+
+
+def train(tmp: Path, steps: int, *, every: int = 3, final: bool = False
+          ) -> rt.CheckpointManager:
+    """:func:`train_on` with ``tmp/persistent`` and ``tmp/local``; the (closed) manager."""
+    return train_on(tmp / "persistent", tmp / "local", steps, every=every, final=final).mgr
+
+
+def same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
 def committed(root: Path) -> list[int]:
@@ -109,6 +133,99 @@ def test_storage_newer_than_the_machine_wins(tmp_path: Path) -> None:
     mgr = train(tmp_path, 0)
     assert mgr.last_restore is not None
     assert (mgr.last_restore.step, mgr.last_restore.source) == (9, "persistent")
+
+
+def test_a_run_resumes_its_own_state_never_another_runs_copy_in_a_shared_directory(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    # Two runs given one NodeLocal(directory=...): run B, its checkpoint directory at step
+    # 30, resumed from run A's step 60 there, with no warning, and trained on from A's
+    # weights; a run with a fresh checkpoint directory resumed at A's step too. A copy
+    # belongs to its run's checkpoint directory: another run's is named and ignored.
+    caplog.set_level(logging.WARNING, logger="resilient_train.checkpoint.tiers.nodelocal")
+    shared, a, b = tmp_path / "nl", tmp_path / "a", tmp_path / "b"
+
+    def ignored(step: int, whose: Path) -> list[str]:
+        return [r.getMessage() for r in caplog.records
+                if r.getMessage().startswith(f"ignoring the node-local checkpoint of step "
+                                             f"{step} in {shared}")
+                and f"checkpoint directory {os.path.realpath(whose)}" in r.getMessage()]
+
+    assert train_on(b, shared, 30).start == 0            # B: step 30 in b and in nl
+    # B resuming its own state, for the weights; then both its tiers as they were.
+    for where in (b, shared):
+        shutil.copytree(where, tmp_path / "before" / where.name)
+    own = train_on(b, shared, 5)
+    assert own.mgr.last_restore is not None
+    assert (own.start, own.mgr.last_restore.source) == (30, "node-local")
+    for where in (b, shared):
+        shutil.rmtree(where)
+        shutil.copytree(tmp_path / "before" / where.name, where)
+
+    # A, a run of its own, starts fresh beside B's copy, and says why it ignores it.
+    assert train_on(a, shared, 60).start == 0
+    assert ignored(30, b), caplog.text
+    assert committed(shared) == [60]
+    doc = json.loads((shared / "step-000000000060" / MANIFEST).read_text())
+    assert doc["metadata"]["owner"] == {"checkpoint_directory": os.path.realpath(a),
+                                        "job_id": None}
+
+    # B again: its own step 30 (from its checkpoint directory), never A's 60.
+    caplog.clear()
+    again = train_on(b, shared, 5)
+    assert again.mgr.last_restore is not None
+    assert (again.start, again.mgr.last_restore.source) == (30, "persistent")
+    assert same(again.weights, own.weights)
+    said = ignored(60, a)
+    assert len(said) == 1 and "belongs to another run" in said[0], caplog.text
+    assert "Give each run a node-local directory of its own" in said[0], said
+
+    # A run with a fresh checkpoint directory starts fresh, as on a disk of its own.
+    caplog.clear()
+    fresh = train_on(tmp_path / "c", shared, 5)
+    alone = train_on(tmp_path / "d", tmp_path / "d-nl", 5)
+    assert (fresh.start, alone.start) == (0, 0) and same(fresh.weights, alone.weights)
+    assert ignored(60, a), caplog.text
+
+
+def test_a_copy_names_its_job_where_there_is_one(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        caplog: pytest.LogCaptureFixture) -> None:
+    # Under the launcher or on the platform the job id is part of whose a copy is: a
+    # restart of the job resumes from it, another job on the same checkpoint directory
+    # (one that found the machine's disk kept) does not.
+    caplog.set_level(logging.WARNING, logger="resilient_train.checkpoint.tiers.nodelocal")
+    monkeypatch.setenv("CLOUD_ML_JOB_ID", "1111")
+    train(tmp_path, 7)
+    mgr = train(tmp_path, 0)
+    assert mgr.last_restore is not None
+    assert (mgr.last_restore.step, mgr.last_restore.source) == (7, "node-local")
+    assert "ignoring" not in caplog.text
+    monkeypatch.setenv("CLOUD_ML_JOB_ID", "2222")
+    mgr = train(tmp_path, 0)
+    assert mgr.last_restore is not None
+    assert (mgr.last_restore.step, mgr.last_restore.source) == (6, "persistent")
+    ckpt = os.path.realpath(tmp_path / "persistent")
+    assert (f"it belongs to another run (checkpoint directory {ckpt}, job 1111), not to "
+            f"this one (checkpoint directory {ckpt}, job 2222)") in caplog.text, caplog.text
+
+
+def test_a_copy_that_names_no_run_is_ignored(tmp_path: Path,
+                                             caplog: pytest.LogCaptureFixture) -> None:
+    # A copy saved before node-local copies recorded their run: whose it is cannot be
+    # told, so it counts as another run's (named, ignored) and storage serves the restore.
+    caplog.set_level(logging.WARNING, logger="resilient_train.checkpoint.tiers.nodelocal")
+    train(tmp_path, 7)
+    step = tmp_path / "local" / "step-000000000007"
+    doc = json.loads((step / MANIFEST).read_text())
+    doc["metadata"].pop("owner", None)
+    data = json.dumps(doc).encode()
+    (step / MANIFEST).write_bytes(data)
+    (step / MARKER).write_bytes(marker_bytes(data, 7))
+    mgr = train(tmp_path, 0)
+    assert mgr.last_restore is not None
+    assert (mgr.last_restore.step, mgr.last_restore.source) == (6, "persistent")
+    assert f"ignoring the node-local checkpoint of step 7 in {tmp_path / 'local'}" \
+        in caplog.text and "names no run" in caplog.text, caplog.text
 
 
 def test_a_node_local_directory_that_cannot_be_written_fails_at_start(
@@ -281,6 +398,28 @@ def test_a_machine_of_two_processes_lost_resumes_from_the_other_machines_disk(
     assert recovery["bytes_read"]["persistent"] == 0, recovery
     disk = faulted / "machines" / "workerpool0-0" / "vm" / "local" / "checkpoints"
     assert sorted(p.name for p in disk.iterdir()) == ["rank00000", "rank00001"]
+
+
+@pytest.mark.slow
+def test_two_ranks_given_one_node_local_directory_each_keep_and_restore_their_own(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Both ranks of a job wrote a step into one temporary directory (one name: the job's
+    # token) and committed it over each other; a save failed with "a directory on its path
+    # cannot be created there". Each rank writes in a directory of its own there now, and
+    # a restart of every worker resumes from it, each rank with its own state.
+    _, _, clean = launch(tmp_path, "clean")
+    shared = tmp_path / "one-disk"
+    monkeypatch.setenv("LOCAL_TIER_DIR", str(shared))
+    job, out, faulted = launch(tmp_path, "shared", "--restart-job-on-worker-restart",
+                               "--chaos", "kill:workerpool1-0@step37")
+    assert "node-local checkpoint of step" not in out, out[-3000:]   # none failed
+    assert "cannot be created there" not in out, out[-3000:]
+    recovery = the_recovery(job, out)
+    assert recovery["step"] == 35, recovery
+    assert {r["source"] for r in recovery["ranks"]} == {"node-local"}, recovery
+    assert recovery["bytes_read"]["persistent"] == 0, recovery
+    assert_same_end(clean, faulted, ranks=2)
+    assert sorted(p.name for p in shared.iterdir()) == ["rank00000", "rank00001"]
 
 
 def test_chaos_wipe_and_corrupt_hit_the_disk_a_restore_reads(tmp_path: Path, caplog) -> None:

@@ -442,13 +442,30 @@ def test_status_prints_one_line_per_recovery(finished: Job,
     lines = _status(finished.dir, capsys)
     assert lines == [
         (f"recovery 1: attempt 1 gen 1 at +10.5 s after {P2} node_loss (exit 137): step 80 "
-         "(lost 6 steps) in 0.84 s; ranks from peer x3; read peer 5.0 MiB, node-local 0 B, "
-         "persistent 0 B"),
+         "(lost 6 steps), restore 0.84 s (slowest rank's transfer/read); ranks from peer x3; "
+         "read peer 5.0 MiB, node-local 0 B, persistent 0 B"),
         ("recovery 2: attempt 2 gen 0 at +22.0 s after internal (whole job): step 140 "
-         "(lost 10 steps) in 1.50 s; ranks from node-local x2, persistent x1; read peer 0 B, "
-         "node-local 6.0 MiB, persistent 12.0 MiB; why not faster: no node-local copy: "
-         "a new VM"),
+         "(lost 10 steps), restore 1.50 s (slowest rank's transfer/read); ranks from "
+         "node-local x2, persistent x1; read peer 0 B, node-local 6.0 MiB, persistent "
+         "12.0 MiB; why not faster: no node-local copy: a new VM"),
     ]
+
+
+def test_status_says_which_time_a_recovery_line_and_the_goodput_line_give(
+        finished: Job, capsys: pytest.CaptureFixture[str]) -> None:
+    """A newcomer read "in 0.84 s" on a recovery's line against "recovery 4.2 s" of the
+    goodput as a contradiction: the first is the ranks' restore alone, the second all the
+    time training stood still (noticing the fault, restarting, re-forming, restoring)."""
+    assert main(["status", str(finished.dir)]) == 0
+    out = capsys.readouterr().out
+    goodput = next(ln for ln in out.splitlines() if ln.startswith("goodput "))
+    assert re.search(r", recovery \d+\.\d s \(training stopped, fault to training again\), ",
+                     goodput), goodput
+    recoveries = [ln for ln in out.splitlines() if ln.startswith("recovery ")]
+    assert len(recoveries) == 2
+    for line in recoveries:
+        assert re.search(r", restore \d+\.\d\d s \(slowest rank's transfer/read\);", line)
+        assert " in 0." not in line and " in 1." not in line, line
 
 
 def test_status_and_report_read_a_record_written_without_recoveries(

@@ -247,6 +247,27 @@ def test_local_permission_denied(tmp_path: Any) -> None:
         ro.chmod(0o700)
 
 
+@pytest.mark.parametrize("fuse", [False, True])
+def test_local_delete_never_goes_through_a_link(tmp_path: Any, fuse: bool) -> None:
+    """A link below the root leads out of it: delete removes the link itself, and refuses
+    what lies behind it, naming the link."""
+    other = tmp_path / "other"
+    (other / "step").mkdir(parents=True)
+    (other / "step" / "COMMITTED").write_text("theirs")
+    root = tmp_path / "gcs" / "run"
+    root.mkdir(parents=True)
+    os.symlink(other / "step", root / "linked")
+    st = Storage(str(root), object_store_mounts=(str(tmp_path / "gcs"),) if fuse else ())
+    with pytest.raises(StorageError, match=f"{root / 'linked'} is a symbolic link"):
+        st.delete("linked/COMMITTED")
+    with pytest.raises(StorageError, match="symbolic link"):
+        st.delete("linked/COMMITTED", recursive=True)
+    assert (other / "step" / "COMMITTED").read_text() == "theirs"
+    assert st.is_link("linked") and not st.is_link("linked/COMMITTED")
+    st.delete("linked", recursive=True)
+    assert not os.path.lexists(root / "linked") and (other / "step" / "COMMITTED").is_file()
+
+
 # --- FUSE mounts of object stores --------------------------------------------------------
 
 

@@ -387,7 +387,7 @@ class CheckpointManager:
         self._local: LocalTier | None = None
         if self.options.node_local is not None:
             self._local = LocalTier(self.options.node_local, self.rank, self.world_size,
-                                    self._token, self._sharded)
+                                    self._token, self._sharded, self.storage.url)
         # Which saves go to the persistent tier too (every save without a node-local one).
         self._cadence = PersistentCadence(self.options.node_local, self.options.max_interval_s) \
             if self.options.node_local is not None else None

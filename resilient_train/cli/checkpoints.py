@@ -11,8 +11,11 @@ from pathlib import Path
 from typing import Any
 
 from ..checkpoint.commit.directory import (
+    DEL_PREFIX,
     TMP_PREFIX,
     StepInfo,
+    debris_note,
+    is_held,
     prune,
     scan,
     structural_problems,
@@ -20,9 +23,11 @@ from ..checkpoint.commit.directory import (
 )
 from ..checkpoint.commit.retention import RetentionPolicy
 from ..checkpoint.storage.base import Storage, StorageError
-from ..observe.jobdir import JOB_FILE
+from ..observe.jobdir import JOB_FILE, read_job
 
 EXIT_OK, EXIT_PROBLEMS, EXIT_USAGE = 0, 1, 2
+# Out of the readers' namespace: a save in progress or a step being deleted, never damage.
+_IN_PROGRESS = (TMP_PREFIX, DEL_PREFIX)
 
 
 def _when(t: float | None) -> str:
@@ -55,6 +60,7 @@ def _row(info: StepInfo, tier: Tier) -> dict[str, Any]:
     return {"step": info.step, "name": info.name, "committed": info.committed, "ok": info.ok,
             "created": info.created, "world_size": info.world_size,
             "size_bytes": info.size_bytes, "problems": list(info.problems),
+            "debris": info.debris or None,
             "tier": "persistent" if tier.replica is None else "node-local",
             "replica": tier.replica, "directory": tier.storage.url}
 
@@ -75,14 +81,25 @@ def _print_table(infos: list[StepInfo]) -> None:
         return
     print(f"{'step':>12}  {'state':11}  {'created':19}  {'ranks':>5}  {'size':>10}  name")
     for i in infos:
-        state = "ok" if i.ok else ("CORRUPT" if i.committed else "uncommitted")
+        state = "ok" if i.ok else ("CORRUPT" if i.committed else
+                                   "debris" if i.debris else "uncommitted")
         print(f"{i.step:>12}  {state:11}  {_when(i.created):19}  {i.world_size or '-':>5}  "
               f"{_size(i.size_bytes):>10}  {i.name}")
         for p in i.problems:
             print(f"{'':>14}- {p}")
 
 
+def _live(storage: Storage, infos: list[StepInfo]) -> list[StepInfo]:
+    """A leftover directory that a live process holds (local disk: another job's save in
+    flight, a delete under way) is not debris: prune leaves it; it is listed in progress."""
+    return [dataclasses.replace(i, debris="")
+            if i.debris and i.name.startswith(_IN_PROGRESS) and is_held(storage, i.name)
+            else i for i in infos]
+
+
 def _structurally_checked(storage: Storage, info: StepInfo) -> StepInfo:
+    if info.debris:
+        return dataclasses.replace(info, problems=(debris_note(storage, info),))
     if not info.ok:
         return info
     problems = structural_problems(storage, info)
@@ -94,12 +111,14 @@ def _checkpoint_dir(directory: str) -> str:
     AIP_CHECKPOINT_DIR its replicas were given, BASE_OUTPUT_DIRECTORY/checkpoints."""
     if "://" in directory:
         return directory
-    record = Path(directory) / JOB_FILE
-    if not record.is_file():
+    if not (Path(directory) / JOB_FILE).is_file():
         return directory
+    # A record that is no record is the command's error (JobRecordError, a ValueError);
+    # one without the field (written by hand) leaves the directory as given.
+    job = read_job(directory)
     try:
-        base = json.loads(record.read_text())["job_spec"]["base_output_directory"]
-    except (OSError, ValueError, KeyError, TypeError):
+        base = job["job_spec"]["base_output_directory"]
+    except (KeyError, TypeError):
         return directory
     found = f"{str(base).rstrip('/')}/checkpoints"
     print(f"job {directory}: its checkpoints are in {found}", file=sys.stderr)
@@ -119,7 +138,7 @@ def _node_local_tiers(directory: str) -> list[tuple[Tier, list[StepInfo]]]:
         replica = root.parts[-4]
         for path in [root, *sorted(root.glob("rank[0-9]*"))]:
             storage = Storage(str(path))
-            infos = scan(storage)
+            infos = _live(storage, scan(storage))
             if infos:
                 name = replica if path == root else f"{replica} {path.name}"
                 tiers.append((Tier(storage, name), infos))
@@ -130,7 +149,7 @@ def run_checkpoints(args: argparse.Namespace) -> int:
     try:
         storage = Storage(_checkpoint_dir(args.directory))
         storage.check_readable()   # "no checkpoints" must mean that, not a typo in the path
-        tiers = [(Tier(storage), scan(storage))]
+        tiers = [(Tier(storage), _live(storage, scan(storage)))]
         if args.action != "prune":   # the library keeps the node-local tier's own count
             tiers += _node_local_tiers(args.directory)
         if args.action == "list":
@@ -148,11 +167,12 @@ def run_checkpoints(args: argparse.Namespace) -> int:
                 return EXIT_USAGE
             # Uncommitted steps too: a step whose marker is gone is skipped by restore, and
             # a verify that passes over it in silence would report a healthy directory.
-            # Temporary directories (a save in progress, or crashed) are listed, not failed.
+            # Temporary directories (a save in progress) and debris (what an interrupted
+            # delete or save left, which prune removes) are listed, not failed.
             checked = [(t, [verify_step(t.storage, i) for i in infos]) for t, infos in chosen]
             _print(checked, args.json)
             failed = [i for _, infos in checked for i in infos
-                      if not i.ok and not i.name.startswith(TMP_PREFIX)]
+                      if not i.ok and not i.debris and not i.name.startswith(_IN_PROGRESS)]
             return EXIT_PROBLEMS if failed else EXIT_OK
         retention = RetentionPolicy(keep_last=args.keep_last,
                                     milestone_every_steps=args.milestone_every_steps)

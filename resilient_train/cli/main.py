@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import functools
 import json
 import logging
 import os
@@ -99,6 +100,21 @@ def _parse_duration() -> Callable[[str], float]:
     return parse_duration
 
 
+def _parse_grace() -> Callable[[str], float]:
+    """A SIGTERM-to-SIGKILL time: 0 leaves a worker no time to save (its emergency save
+    refuses a grace of 0 and exits 1), infinity never kills it."""
+    from ..launcher.chaos import parse_duration
+
+    return functools.partial(parse_duration, positive=True, what="a grace period")
+
+
+def _parse_interval() -> Callable[[str], float]:
+    """How often to ask the service: 0 would ask without a pause."""
+    from ..launcher.chaos import parse_duration
+
+    return functools.partial(parse_duration, positive=True, what="an interval")
+
+
 def _parse_memory() -> Callable[[str], int]:
     from ..platform.resources import parse_memory
 
@@ -106,6 +122,8 @@ def _parse_memory() -> Callable[[str], int]:
 
 
 _duration = _argument(_parse_duration, "duration")
+_grace = _argument(_parse_grace, "grace period")
+_interval = _argument(_parse_interval, "interval")
 _memory = _argument(_parse_memory, "memory size")
 
 
@@ -142,7 +160,7 @@ def _parser() -> argparse.ArgumentParser:
                     "(memory minus the platform's reserved share)")
     lp.add_argument("--start-jitter", type=_duration, default=0.0, metavar="DURATION",
                     help="random delay up to DURATION before each worker starts")
-    lp.add_argument("--grace", type=_duration, default=10.0, metavar="DURATION",
+    lp.add_argument("--grace", type=_grace, default=10.0, metavar="DURATION",
                     help="SIGTERM-to-SIGKILL grace period (default 10s)")
     lp.add_argument("--chaos", default="", metavar="SPEC",
                     help="faults to inject: KIND[:REPLICA]@TIME[/GRACE] or KIND~MEAN[xCOUNT], "
@@ -223,7 +241,7 @@ def _parser() -> argparse.ArgumentParser:
                     "against a local fake (default: $RESILIENT_TRAIN_VERTEX_ENDPOINT)")
     up.add_argument("--wait", action="store_true",
                     help="follow the job until it ends, as status --follow does")
-    up.add_argument("--interval", type=_duration, metavar="SECONDS",
+    up.add_argument("--interval", type=_interval, metavar="SECONDS",
                     help="with --wait: how often to ask for its state (default 30s)")
 
     cp = sub.add_parser("checkpoints", help="list, verify or prune a checkpoint directory")
@@ -248,7 +266,7 @@ def _parser() -> argparse.ArgumentParser:
     sp.add_argument("--follow", action="store_true",
                     help="a remote job: print a line per state change until it ends; the "
                     "exit status is 0 when it SUCCEEDED, 1 otherwise")
-    sp.add_argument("--interval", type=_duration, metavar="SECONDS",
+    sp.add_argument("--interval", type=_interval, metavar="SECONDS",
                     help="with --follow: how often to ask for its state (default 30s)")
     sp.add_argument("--endpoint", metavar="HOST:PORT",
                     help="a remote job: the JobService to ask (as for submit)")
@@ -271,7 +289,7 @@ def _parser() -> argparse.ArgumentParser:
     wp.add_argument("--nproc-per-node", "--nproc_per_node", default="auto", metavar="N",
                     help="processes on this machine: a number, 'gpu' (one per GPU) or "
                     "'auto' (one per GPU, else 1; the default)")
-    wp.add_argument("--stop-grace", type=_duration, default=30.0, metavar="SECONDS",
+    wp.add_argument("--stop-grace", type=_grace, default=30.0, metavar="SECONDS",
                     help="after a process failed: how long the others have between SIGTERM "
                     "and SIGKILL (default 30s)")
     wp.add_argument("command", nargs=argparse.REMAINDER, help="the program and its arguments")
@@ -364,7 +382,7 @@ def _spawn(args: argparse.Namespace) -> int:
 
 
 def _launch(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
-    from ..launcher.chaos import ChaosSpecError
+    from ..launcher.chaos import ChaosSpecError, bare_time_hints
     from ..launcher.messages import STATUS_FAULT_NOT_FIRED, STATUS_INTERNAL
     from ..launcher.runner import Launcher, LaunchError
     from ..launcher.workerenv import fuse_path_note
@@ -385,6 +403,8 @@ def _launch(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         return EXIT_USAGE
     for note in notes:
         out.line(f"job spec: {note}")
+    for hint in bare_time_hints(options.chaos):
+        out.line(hint)
     fuse = fuse_path_note(options.output_dir)
     if fuse is not None:
         out.line(fuse)
@@ -407,6 +427,9 @@ def _launch(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         out.line(f"chaos: {fault.spec} never fired: {fault.why}"
                  + (f" ({fault.fired} of {fault.count} fired)" if fault.random and fault.count
                     else ""))
+    cancelled = launcher.cancel_note()
+    if cancelled is not None:
+        out.line(cancelled)
     if status == STATUS_FAULT_NOT_FIRED:
         out.line(f"the job succeeded, but {sum(not f.random for f in unfired)} of its faults "
                  f"never fired: the resilience test did not happen (exit status "
@@ -697,11 +720,11 @@ def _local_status(args: argparse.Namespace) -> int:
     from ..launcher.jobrecord import launcher_alive
     from ..launcher.messages import JobState
     from ..observe.events import Event
-    from ..observe.jobdir import describe_recovery, read_job, read_recoveries
+    from ..observe.jobdir import JobRecordError, describe_recovery, read_job, read_recoveries
 
     try:
         job = read_job(args.job_dir)
-    except (FileNotFoundError, json.JSONDecodeError) as exc:
+    except (FileNotFoundError, JobRecordError) as exc:
         print(f"resilient-train status: error: {exc}", file=sys.stderr)
         return EXIT_USAGE
     if args.json:
@@ -728,7 +751,8 @@ def _local_status(args: argparse.Namespace) -> int:
     if g:
         print(f"goodput   {g['goodput']:.1%} of {g['wall_s']:.1f} s: productive "
               f"{g['productive_s']:.1f} s, lost {g['lost_s']:.1f} s ({g['steps_lost']} steps), "
-              f"recovery {g['recovery_s']:.1f} s, checkpoint {g['checkpoint_s']:.1f} s, "
+              f"recovery {g['recovery_s']:.1f} s (training stopped, fault to training again), "
+              f"checkpoint {g['checkpoint_s']:.1f} s, "
               f"startup {g['startup_s']:.1f} s, other {g['other_s']:.1f} s")
     for att in job.get("attempts", []):
         print(f"attempt {att['attempt']}: {att['start_time']} .. {att['end_time'] or 'now'}"

@@ -47,10 +47,13 @@ from pathlib import Path
 from typing import Any
 
 from ..platform.rules import Cause
+from ..text import MAX_DURATION_S, MAX_DURATION_TEXT
 
 logger = logging.getLogger(__name__)
 
 __all__ = [
+    "MAX_DURATION_S",
+    "MAX_DURATION_TEXT",
     "ChaosSchedule",
     "ChaosSpec",
     "ChaosSpecError",
@@ -59,6 +62,7 @@ __all__ = [
     "RandomFault",
     "ScheduledFault",
     "UnfiredFault",
+    "bare_time_hints",
     "load_chaos",
     "parse_chaos",
     "parse_duration",
@@ -261,21 +265,36 @@ _UNIT_SECONDS = {None: 1.0, "ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0}
 _TARGET_RE = re.compile(r"^[A-Za-z0-9_.-]+$")
 
 
-def parse_duration(text: str | float) -> float:
-    """Seconds from ``500ms``, ``20s``, ``1.5m``, ``2h`` or a bare (non-negative) number."""
+def parse_duration(text: str | float, *, positive: bool = False,
+                   what: str = "a duration") -> float:
+    """Seconds from ``500ms``, ``20s``, ``1.5m``, ``2h`` or a bare (non-negative) number,
+    at most MAX_DURATION_S and, where ``positive``, more than 0. ``what`` names the value
+    in the error (``a grace period``), which says the range."""
     if isinstance(text, bool):
         raise ValueError(f"expected a duration like 20s, found {text!r}")
     if isinstance(text, (int, float)):
         if text < 0:
             raise ValueError(f"expected a non-negative duration, found {text!r}")
-        return float(text)
-    match = _DURATION_RE.match(text.strip())
-    if not match:
-        raise ValueError(
-            f"expected a duration like 500ms, 20s, 1.5m, 2h or a number of seconds, found {text!r}"
-        )
-    unit = match.group(2).lower() if match.group(2) else None
-    return float(match.group(1)) * _UNIT_SECONDS[unit]
+        value = float(text)
+    else:
+        match = _DURATION_RE.match(text.strip())
+        if not match:
+            raise ValueError(
+                f"expected a duration like 500ms, 20s, 1.5m, 2h or a number of seconds, "
+                f"found {_clip(text)}")
+        unit = match.group(2).lower() if match.group(2) else None
+        value = float(match.group(1)) * _UNIT_SECONDS[unit]
+    # Written as a negation, so that NaN and infinity (float() of 400 digits) fail too.
+    if not (value > 0 if positive else value >= 0) or not value <= MAX_DURATION_S:
+        low = "more than 0 s and " if positive else ""
+        raise ValueError(f"{what} is {low}{MAX_DURATION_TEXT}, found {_clip(text)}")
+    return value
+
+
+def _clip(value: Any) -> str:
+    """``value`` quoted, cut short: a typo of 400 digits need not fill the screen."""
+    text = repr(value)
+    return text if len(text) <= 40 else text[:30] + "..." + text[-6:]
 
 
 def _kind(name: str, where: str) -> FaultKind:
@@ -294,7 +313,8 @@ def _duration(text: Any, what: str, where: str, *, positive: bool = False) -> fl
     except ValueError as exc:
         raise ChaosSpecError(f"bad {what} in {where}: {exc}; {_GRAMMAR}") from None
     if positive and value <= 0:
-        raise ChaosSpecError(f"{what} in {where} must be > 0, found {text!r}; {_GRAMMAR}")
+        raise ChaosSpecError(f"{what} in {where} must be > 0 and {MAX_DURATION_TEXT}, found "
+                             f"{text!r}; {_GRAMMAR}")
     return value
 
 
@@ -324,7 +344,8 @@ def _grace(kind: FaultKind, grace: Any, where: str) -> float | None:
             f"a grace period applies only to maintenance and preempt, found one on "
             f"{kind.value} in {where}; drop the /GRACE part"
         )
-    return _duration(grace, "grace", where)
+    # 0 would be SIGKILL on the heels of the SIGTERM: no grace at all.
+    return _duration(grace, "grace", where, positive=True)
 
 
 def _stall_duration(kind: FaultKind, duration: Any, where: str) -> float | None:
@@ -435,6 +456,30 @@ def parse_chaos(text: str, *, seed: int = 0) -> ChaosSpec:
             raise ChaosSpecError(f"empty item {number} (column {column - 1}); {_GRAMMAR}")
         items.append(replace(_parse_item(item, where), written=item))
     return _build(items, seed)
+
+
+# A fixed fault's item whose TIME is a bare number: KIND[:TARGET]@N, then its suffixes.
+_BARE_TIME_RE = re.compile(
+    r"(?P<head>[^@~]*@)\s*(?P<n>\d+(?:\.\d*)?|\.\d+)\s*(?P<rest>[+*/].*)?", re.DOTALL)
+
+
+def bare_time_hints(spec: ChaosSpec) -> list[str]:
+    """A line for each fault written at a bare number (``kill:1@85``): seconds, as the
+    grammar has always said and specs in use write it, though ``@step85`` may have been
+    meant; kept, and said aloud. A JSON file's ``at`` and ``at_step`` are two keys: no
+    doubt there."""
+    hints = []
+    for fault in spec.faults:
+        bare = _BARE_TIME_RE.fullmatch(fault.written or "")
+        if bare is None or fault.at_step is not None:
+            continue
+        head, n, rest = bare.group("head"), bare.group("n"), bare.group("rest") or ""
+        hint = (f"chaos: {fault.written} fires {n} s after RUNNING (a bare number is "
+                f"seconds): write {head}{n}s{rest} to say so")
+        if n.isdigit():
+            hint += f", or {head}step{n}{rest} for the primary's step {n}"
+        hints.append(hint)
+    return hints
 
 
 _FAULT_KEYS = {"kind", "at", "at_step", "target", "grace", "duration", "speed"}

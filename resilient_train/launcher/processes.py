@@ -15,9 +15,11 @@ from __future__ import annotations
 
 import collections
 import ctypes
+import difflib
 import io
 import logging
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -252,6 +254,76 @@ def _pdeathsig_preexec(launcher_pid: int) -> Callable[[], None]:
         if os.getppid() != launcher_pid:   # the launcher died before prctl took effect
             os.kill(os.getpid(), signal.SIGKILL)
     return preexec
+
+
+# ``python``, ``python3``, ``python3.11``: the interpreters whose script can be looked for.
+_PYTHON = re.compile(r"python(?:[0-9]+(?:\.[0-9]+)?)?")
+# Python's options after which no script runs (-c CMD, -m MOD, help, version), and those
+# whose value may be the next argument.
+_PYTHON_NO_SCRIPT = frozenset("cmhV?")
+_PYTHON_WITH_VALUE = frozenset("WX")
+
+
+def missing_program(command: Sequence[str], cwd: Path) -> str | None:
+    """What of ``command`` is not there to run, found before any replica starts: a
+    program given as a path that is no executable file, or the script of ``python[3]
+    SCRIPT``; relative paths as a replica resolves them, against ``cwd`` (each replica's
+    working directory is a view of it). None when all is there, or cannot be known here
+    (a name PATH resolves, ``python -m``, a shell string)."""
+    if not command:
+        return None
+    program = command[0]
+    if "/" in program:
+        path = cwd / program
+        if not path.is_file() or not os.access(path, os.X_OK):
+            what = "is not executable" if path.is_file() else "does not exist as a file"
+            return (f"the program {program} {what} (resolved against {cwd}, each replica's "
+                    f"working directory){_close_match(program, cwd)}")
+    if not _PYTHON.fullmatch(os.path.basename(program)):
+        return None
+    script = _python_script(command[1:])
+    if script is None or (cwd / script).exists():
+        return None
+    return (f"the script {script} does not exist (resolved against {cwd}, each replica's "
+            f"working directory): {os.path.basename(program)} would exit 2 in every replica"
+            f"{_close_match(script, cwd)}")
+
+
+def _python_script(args: Sequence[str]) -> str | None:
+    """The script of a python command line's arguments; None when it runs none (``-c``,
+    ``-m``, ``-``, ``--version``) or has none."""
+    i = 0
+    while i < len(args):
+        arg = args[i]
+        if arg == "--":
+            return args[i + 1] if i + 1 < len(args) else None
+        if arg == "-" or not arg.startswith("-"):
+            return None if arg == "-" else arg
+        if arg.startswith("--"):
+            if arg in ("--help", "--version"):
+                return None
+            i += 2 if arg == "--check-hash-based-pycs" else 1
+            continue
+        for j, letter in enumerate(arg[1:], start=1):   # flags run together: -uB, -Wignore
+            if letter in _PYTHON_NO_SCRIPT:
+                return None
+            if letter in _PYTHON_WITH_VALUE:
+                if j == len(arg) - 1:   # its value is the next argument
+                    i += 1
+                break
+        i += 1
+    return None
+
+
+def _close_match(path: str, cwd: Path) -> str:
+    """``; did you mean DIR/NAME?`` for a name close to one in the same directory."""
+    parent, name = os.path.split(path)
+    try:
+        names = os.listdir(cwd / parent) if parent else os.listdir(cwd)
+    except OSError:
+        return ""
+    close = difflib.get_close_matches(name, names, n=1, cutoff=0.75)
+    return f"; did you mean {os.path.join(parent, close[0])}?" if close else ""
 
 
 def spawn(command: Sequence[str], env: Mapping[str, str],

@@ -64,7 +64,7 @@ from .machines import Machines
 from .memory import MemoryLimit
 from .messages import STATUS_FAULT_NOT_FIRED, STATUS_INTERNAL
 from .ports import free_port
-from .processes import ProcessTrees, Worker, kill_all, spawn
+from .processes import ProcessTrees, Worker, kill_all, missing_program, spawn
 from .quota import Capacity, LocalQuota, Request, default_quota_dir
 from .workerenv import (
     JobEnv,
@@ -155,6 +155,13 @@ class Launcher:
         listed = replicas_for(options.pools + options.listed_only)
         self.replicas = tuple(r for r in listed if r.pool not in listed_only)
         self._programs = {pool: options.program(pool) for pool, _ in options.pools}
+        # A typo in the script's path is an error here, not a failure under a replica's
+        # path once the job started.
+        for pool, program in self._programs.items():
+            missing = missing_program(program.command, Path.cwd())
+            if missing is not None:
+                where = "" if program.command == options.command else f"{pool}'s command: "
+                raise LaunchError(where + missing)
         self._by_name = {r.name: r for r in self.replicas}
         # Absolute: the paths handed to workers (error reports, telemetry, AIP_*) must hold
         # for a worker that changes directory.
@@ -394,12 +401,25 @@ class Launcher:
             for name in self.workers:
                 self._note_written(name)
 
+    def cancel_note(self) -> str | None:
+        """What cancelled the job, for the launcher's last lines; None: no signal did. A
+        worker reports the SIGTERM it got ("SIGTERM: emergency checkpoint ..."), which
+        after a Ctrl-C reads as if something else had stopped it."""
+        if not self._cancel_requests:
+            return None
+        passed = "SIGTERM, then SIGKILL at the second" if self._cancel_requests > 1 \
+            else "SIGTERM"
+        return (f"the job was cancelled by {_cancel_cause(self._cancel_signal)}, which the "
+                f"launcher passed to its workers as {passed}: a worker's line that says "
+                f"SIGTERM is this")
+
     def _handle_cancel(self, now: float) -> None:
         if self._cancel_requests:
             if not self._cancel_announced:
                 self._cancel_announced = True
-                self.echo(f"[launcher] {self._cancel_signal}: cancelling the job "
-                          f"(again to kill at once)")
+                self.echo(f"[launcher] {_cancel_cause(self._cancel_signal)}: cancelling the "
+                          f"job: each worker gets SIGTERM, as on the platform (again to kill "
+                          f"at once)")
             self._execute(self.machine.cancel(now))
             if self._cancel_requests > 1:
                 for w in self.workers.values():
@@ -587,6 +607,15 @@ class Launcher:
                 signal.signal(s, h)
         return restore
 
+
+
+# The signals that cancel a job, said as what the user did.
+_CANCEL_CAUSES = {"SIGINT": "your interrupt (SIGINT)", "SIGTERM": "a SIGTERM to the launcher",
+                  "SIGHUP": "the terminal closing (SIGHUP)"}
+
+
+def _cancel_cause(signal_name: str) -> str:
+    return _CANCEL_CAUSES.get(signal_name, signal_name)
 
 
 def _cpu_slots(env: Mapping[str, str]) -> int:

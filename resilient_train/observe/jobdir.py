@@ -8,6 +8,7 @@ import json
 import math
 import os
 import re
+import shlex
 import tempfile
 from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
@@ -41,17 +42,77 @@ def write_json_atomic(path: Path, data: Any) -> None:
         raise
 
 
+# Bounds of what a job record can be. A real one is small: the README's demo writes 11 KB,
+# and each fault adds about 1.5 KB of events and 1 KB of recovery (a job with 300
+# maintenance events: 420 KB). 64 MiB is some 25,000 faults, more than a chaos stream's
+# cap; a record larger is not one, and parsing it would cost gigabytes (317 MB: 5.8 GB,
+# 61 s). It nests 6 levels deep (job_spec.platform.pools[].env); far deeper is no record,
+# and deeper still ends Python's parser in a RecursionError.
+MAX_RECORD_BYTES = 64 * 1024 * 1024
+MAX_RECORD_DEPTH = 32
+
+
+class JobRecordError(ValueError):
+    """A ``job.json`` that is no job record this version can read (malformed, too large,
+    nested too deep, unreadable): the message names the file, the problem and the fix."""
+
+
 def read_job(job_dir: str | os.PathLike[str]) -> dict[str, Any]:
+    """The job record in ``job_dir`` (or the ``job.json`` given itself): the one reader
+    for ``status``, ``report``, ``export --from-job`` and ``checkpoints``. Raises
+    FileNotFoundError when there is none, JobRecordError when it is not a record."""
     path = Path(job_dir)
     if path.is_dir():
         path = path / JOB_FILE
     try:
-        with open(path, encoding="utf-8") as f:
-            return json.load(f)  # type: ignore[no-any-return]
+        with open(path, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            # Read at most one byte past the bound: a file whose size stat cannot tell
+            # (a pipe, /proc) is bounded too.
+            data = b"" if size > MAX_RECORD_BYTES else f.read(MAX_RECORD_BYTES + 1)
     except FileNotFoundError:
         raise FileNotFoundError(
             f"no job record at {path}; pass the job directory that 'resilient-train launch' "
             f"printed (it holds job.json){_jobs_below(path.parent)}") from None
+    except OSError as exc:
+        raise JobRecordError(f"{path}: cannot be read ({exc.strerror or exc}); check that "
+                             f"it is a file you may read") from None
+    if size > MAX_RECORD_BYTES or len(data) > MAX_RECORD_BYTES:
+        raise _not_a_record(path, f"{format_bytes(max(size, len(data)))}, larger than any "
+                            f"job record ({format_bytes(MAX_RECORD_BYTES)} at most)")
+    try:
+        job = json.loads(data)
+    except RecursionError:
+        raise _not_a_record(path, f"nested deeper than {MAX_RECORD_DEPTH} levels") from None
+    except ValueError as exc:   # JSONDecodeError, UnicodeDecodeError
+        raise _not_a_record(path, f"not valid JSON ({first_line(str(exc))[:200]})") from None
+    if not isinstance(job, dict):
+        raise _not_a_record(path, f"not a JSON object (a JSON {type(job).__name__})")
+    if _deeper_than(job, MAX_RECORD_DEPTH):
+        raise _not_a_record(path, f"nested deeper than {MAX_RECORD_DEPTH} levels")
+    return job
+
+
+def _not_a_record(path: Path, problem: str) -> JobRecordError:
+    return JobRecordError(
+        f"{path} is not a job record: {problem}. It was not written by 'resilient-train "
+        f"launch', or was damaged since: pass the directory of a job that launch wrote (its "
+        f"first line names it), or launch the job again")
+
+
+def _deeper_than(value: Any, limit: int) -> bool:
+    """Whether JSON ``value`` nests more than ``limit`` lists and objects deep; without
+    recursion, so that any depth the parser returned is measured."""
+    stack: list[tuple[Any, int]] = [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        children = item.values() if isinstance(item, dict) else item
+        for child in children:
+            if isinstance(child, (dict, list)):
+                if depth >= limit:
+                    return True
+                stack.append((child, depth + 1))
+    return False
 
 
 def _jobs_below(parent: Path) -> str:
@@ -134,15 +195,35 @@ def processes_path(job_dir: Path) -> Path:
 
 # --- secrets in what is recorded ---------------------------------------------------------
 #
-# A name is secret when one of its words is, or ends in, token, key, secret, password or
-# passwd. Words: split at every non-alphanumeric and at camelCase, so API_KEY, api-key,
-# apiKey, HFToken and AWS_SECRET_ACCESS_KEY are secret; keep_last, tokenizer, max_tokens,
-# keyword are not. A compound ending in a secret word is secret too (apikey, authtoken),
-# and so monkey is: masking too much costs only a less readable record.
-_SECRET_WORDS = ("token", "key", "secret", "password", "passwd")
+# A name is secret when one of its words is, or ends in, token, key, secret, password,
+# passwd or auth. Words: split at every non-alphanumeric and at camelCase, so API_KEY,
+# api-key, apiKey, HFToken, AWS_SECRET_ACCESS_KEY and basic-auth are secret; keep_last,
+# tokenizer, max_tokens, keyword, author are not. A compound ending in a secret word is
+# secret too (apikey, authtoken, oauth), and so monkey is: masking too much costs only a
+# less readable record.
+_SECRET_WORDS = ("token", "key", "secret", "password", "passwd", "auth")
 _WORD = re.compile(r"[A-Z]+(?![a-z])|[A-Z]?[a-z]+|[0-9]+")
 _OPTION = re.compile(r"(-{1,2})([A-Za-z0-9][\w.-]*)(=.*)?", re.DOTALL)    # --name[=value]
 _ASSIGNMENT = re.compile(r"([+~]*[A-Za-z_][\w.-]*)=.*", re.DOTALL)        # NAME=value
+# A URL's password (scheme://user:PASSWORD@host), and a query parameter (?NAME=VALUE).
+# The scheme starts where no scheme character precedes it: a search is linear in the text.
+_URL_PASSWORD = re.compile(
+    r"(?<![A-Za-z0-9+.-])([A-Za-z][A-Za-z0-9+.-]*://[^\s/:@]*):[^\s/@]*@")
+_QUERY_PARAMETER = re.compile(r"(?<=[?&])([A-Za-z_][\w.-]*)=([^&#\s'\"]*)")
+# The short option that is the password, for the programs where it is one: elsewhere -p
+# is mkdir's parents, ssh's port, a training script's print frequency.
+_PASSWORD_FLAGS = {
+    **dict.fromkeys(("mysql", "mysqldump", "mysqladmin", "mysqlimport", "mysqlshow",
+                     "mysqlcheck", "mariadb", "mariadb-dump", "mongo", "mongosh", "sshpass",
+                     "7z", "7za"), "-p"),
+    "redis-cli": "-a", "zip": "-P", "unzip": "-P",
+}
+# A word of a shell string: unquoted characters, '...', "..." and \x, run together; the
+# operators between words (; & | < > ( ) and newlines) end a command.
+_SHELL_WORD = re.compile(r"""(?:[^\s'"\\;&|<>()]+|'[^']*'|"(?:[^"\\]|\\.)*"|\\.)+""",
+                         re.DOTALL)
+_SHELL_PART = re.compile(r"""'([^']*)'|"((?:[^"\\]|\\.)*)"|\\(.)|([^'"\\]+)""", re.DOTALL)
+_COMMAND_END = re.compile(r"[;&|()\n]")
 
 
 def is_secret_name(name: str) -> bool:
@@ -151,21 +232,34 @@ def is_secret_name(name: str) -> bool:
 
 
 def mask_command(argv: Iterable[str]) -> list[str]:
-    """``argv`` with the values of secret options and assignments replaced by ``***``:
-    ``--token=V``, ``--api-key V``, ``-password V``, ``API_KEY=V`` (``env API_KEY=V cmd``,
-    Hydra's ``db.password=V``). After a secret option without ``=``, the next argument
-    is its value unless it is another long option (``--...``).
+    """``argv`` with its secrets replaced by ``***``: the values of secret options and
+    assignments (``--token=V``, ``--api-key V``, ``-password V``, ``API_KEY=V``, ``env
+    API_KEY=V cmd``, Hydra's ``db.password=V``), a URL's password (``https://user:***@host``)
+    and secret query parameters, the password flag of the programs that have one
+    (``mysql -p***``, ``sshpass -p ***``), and all of these inside a shell string (an
+    argument with spaces: ``bash -c "... --token=V"``), whose other words are kept as
+    written. After a secret option without ``=``, the next argument is its value unless it
+    is another long option (``--...``).
 
     The one function for every place that records or shows a job's command (job.json,
-    the report); applying it twice changes nothing."""
+    the report, the platform's job in the record); applying it twice changes nothing."""
     out: list[str] = []
     value_next = False
+    password_flag: str | None = None   # the -p of a program named earlier
     for arg in map(str, argv):
         if value_next:
             value_next = False
             if not arg.startswith("--"):
                 out.append(SECRET_MASK)
                 continue
+        password_flag = _PASSWORD_FLAGS.get(os.path.basename(arg), password_flag)
+        if password_flag is not None and arg.startswith(password_flag):
+            if arg == password_flag:
+                value_next = True
+                out.append(arg)
+            else:   # attached: mysql -pPASSWORD
+                out.append(password_flag + SECRET_MASK)
+            continue
         option = _OPTION.fullmatch(arg)
         if option is not None and is_secret_name(option.group(2)):
             if option.group(3) is None:
@@ -178,9 +272,63 @@ def mask_command(argv: Iterable[str]) -> list[str]:
         if assignment is not None and is_secret_name(assignment.group(1)):
             out.append(f"{assignment.group(1)}={SECRET_MASK}")
             continue
-        out.append(arg)
+        if any(c.isspace() for c in arg):
+            arg = _mask_shell(arg)
+        out.append(_mask_url(arg))
     return out
 
+
+def mask_env(env: Mapping[str, str]) -> dict[str, str]:
+    """``env`` as recorded: the value of a secret name is ``***``, a URL's password in any
+    other value too (``DATABASE_URL=postgres://me:***@host/db``)."""
+    return {name: SECRET_MASK if is_secret_name(name) else mask_command([value])[0]
+            for name, value in env.items()}
+
+
+def holds_mask(values: Iterable[str]) -> bool:
+    """Whether what :func:`mask_command` or :func:`mask_env` recorded lost a secret."""
+    return any(SECRET_MASK in str(v) for v in values)
+
+
+def _mask_url(text: str) -> str:
+    text = _URL_PASSWORD.sub(rf"\1:{SECRET_MASK}@", text)
+    return _QUERY_PARAMETER.sub(lambda m: f"{m.group(1)}={SECRET_MASK}"
+                                if is_secret_name(m.group(1)) else m.group(0), text)
+
+
+def _mask_shell(text: str) -> str:
+    """A shell string with :func:`mask_command` applied to each command's words; a word
+    that changes is written unquoted (quoted again where it holds spaces: a string in the
+    string), every other character as it was."""
+    words = list(_SHELL_WORD.finditer(text))
+    commands: list[list[re.Match[str]]] = []
+    previous = 0
+    for word in words:
+        if not commands or _COMMAND_END.search(text, previous, word.start()):
+            commands.append([])
+        commands[-1].append(word)
+        previous = word.end()
+    out, done = [], 0
+    for command in commands:
+        values = [_unquote(w.group()) for w in command]
+        for word, value, masked in zip(command, values, mask_command(values)):
+            if masked != value:
+                out += [text[done:word.start()],
+                        shlex.quote(masked) if any(c.isspace() for c in masked) else masked]
+                done = word.end()
+    return "".join(out) + text[done:]
+
+
+def _unquote(word: str) -> str:
+    """A shell word's value: its quotes and backslashes removed."""
+    out = []
+    for part in _SHELL_PART.finditer(word):
+        single, double, escaped, plain = part.groups()
+        if double is not None:
+            out.append(re.sub(r"\\(.)", r"\1", double, flags=re.DOTALL))
+        else:
+            out.append(next(g for g in (single, escaped, plain) if g is not None))
+    return "".join(out)
 
 
 # --- recoveries: what each one restored, from where, and what it cost ---------------------
@@ -398,7 +546,9 @@ def describe_recovery(n: int, rec: Mapping[str, Any], created: str | None = None
     if lost is not None:
         line += f" (lost {lost} step{'' if lost == 1 else 's'})"
     if rec.get("seconds") is not None:
-        line += f" in {rec['seconds']:.2f} s"
+        # The ranks' restore alone: training stood still longer (the fault noticed, the
+        # restart, the group re-formed), which the goodput's recovery time counts.
+        line += f", restore {rec['seconds']:.2f} s (slowest rank's transfer/read)"
     line += f"; ranks from {source_counts(rec) or 'nowhere'}"
     read = rec.get("bytes_read") or {}
     if read:

@@ -24,7 +24,6 @@ from __future__ import annotations
 import functools
 import html
 import itertools
-import json
 import logging
 import re
 from collections.abc import Iterable, Mapping, Sequence
@@ -37,6 +36,7 @@ from .events import Event, EventKind, decision_summary, epoch, iso
 from .goodput import redone_steps
 from .jobdir import (
     JOB_FILE,
+    JobRecordError,
     causes_words,
     format_bytes,
     mask_command,
@@ -958,13 +958,8 @@ def write_report(job_dir: str | Path, out: str | Path | None = None) -> Path:
         job_dir = job_dir.parent
     try:
         job = read_job(job_dir)
-    except FileNotFoundError as exc:
+    except (FileNotFoundError, JobRecordError) as exc:
         raise ReportError(str(exc)) from None
-    except json.JSONDecodeError as exc:
-        raise ReportError(f"{job_dir / JOB_FILE} is not valid JSON ({exc}); is it a job "
-                          f"record written by 'resilient-train launch'?") from None
-    if not isinstance(job, dict):
-        raise ReportError(f"{job_dir / JOB_FILE} is not a job record (not a JSON object)")
     try:
         if "recoveries" not in job:   # a record written before job.json had them
             job = {**job, "recoveries": read_recoveries(job_dir, job)}

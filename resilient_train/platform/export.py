@@ -22,7 +22,7 @@ from dataclasses import fields, replace
 from types import MappingProxyType
 from typing import Any, Protocol
 
-from ..observe.jobdir import SECRET_MASK
+from ..observe.jobdir import SECRET_MASK, holds_mask
 from .jobset import jobset_manifest
 from .jobspec import JobSpec, JobSpecError, parse_job_spec
 from .platformjob import LeftOut, PlatformJob, PlatformPool, comment, labels, left_out_lines
@@ -309,8 +309,8 @@ def complete(job: PlatformJob, *, image: str | None = None,
             f"command in a container image; give --image {_IMAGE_EXAMPLE} (an image with "
             f"your code and its dependencies, e.g. built from examples/platform/Dockerfile), "
             f"or launch from a --job-spec whose pools name their imageUri")
-    masked = [f"{p.pool} command" for p in pools if p.command and SECRET_MASK in p.command]
-    masked += [f"{p.pool} env {k}" for p in pools for k, v in p.env.items() if v == SECRET_MASK]
+    masked = [f"{p.pool} command" for p in pools if p.command and holds_mask(p.command)]
+    masked += [f"{p.pool} env {k}" for p in pools for k, v in p.env.items() if holds_mask([v])]
     if masked:
         raise ExportError(
             f"the job record masks secrets ({', '.join(masked)}): exported, they would be "

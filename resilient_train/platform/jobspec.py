@@ -30,7 +30,8 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Any
 
-from ..observe.jobdir import SECRET_MASK, is_secret_name
+from ..observe.jobdir import SECRET_MASK, mask_env
+from ..text import MAX_DURATION_S, MAX_DURATION_TEXT
 from . import aiplatform_types as platform_types
 from .errors import QUOTE_CHARS, JobSpecError
 from .errors import suggest_field as _suggest
@@ -584,10 +585,11 @@ class _Parser:
                     f"digits and _, not starting with a digit")
             value = self.string(var["value"], f"{ipath}.value") if "value" in var else ""
             if "$(" in value:
+                shown = mask_env({name: value})[name]
                 self.notes.append(("env", (
                     f"{ipath}.value: $(VAR) references are expanded by the platform, not by "
                     f"the launcher: {name} gets "
-                    f"{SECRET_MASK if is_secret_name(name) else _show(value)} as written")))
+                    f"{shown if shown == SECRET_MASK else _show(shown)} as written")))
             env[name] = value
         return env
 
@@ -710,7 +712,11 @@ class _Parser:
         if isinstance(value, str):
             match = _DURATION_RE.match(value.strip())
             if match:
-                return float(match.group(1) + (match.group(2) or ""))
+                seconds = float(match.group(1) + (match.group(2) or ""))
+                if not seconds <= MAX_DURATION_S:   # 400 digits: float() says infinity
+                    raise JobSpecError(f"{path}: a duration is {MAX_DURATION_TEXT}, found "
+                                       f"{_show(value)}")
+                return seconds
         raise JobSpecError(
             f"{path}: expected a duration in seconds with an s, as the API writes it (e.g. "
             f"\"3600s\" or \"1.5s\"), found {_show(value)}")

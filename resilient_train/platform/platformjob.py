@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any
 
-from ..observe.jobdir import SECRET_MASK, is_secret_name, mask_command
+from ..observe.jobdir import mask_command, mask_env
 from .rules import Strategy
 
 LEFT_OUT_LABEL = "resilient-train-left-out"
@@ -80,7 +80,7 @@ class PlatformJob:
                 "pool": p.pool, "replicas": p.replicas,
                 "command": None if p.command is None else mask_command(p.command),
                 "image": p.image,
-                "env": {k: SECRET_MASK if is_secret_name(k) else v for k, v in p.env.items()},
+                "env": mask_env(p.env),
                 "machine_type": p.machine_type, "accelerator_type": p.accelerator_type,
                 "accelerator_count": p.accelerator_count,
                 "package_uris": list(p.package_uris),

@@ -3,7 +3,8 @@ also to the checkpoint directory. Dropout (the RNG), Adam, per-rank values, DDP 
 are several workers. Writes ``$AIP_MODEL_DIR/model.pt`` and ``rankR.pt`` (values and four
 RNG draws) at the end.
 
-``local_tier.py STEPS STEP_TIME_S``; ``LOCAL_TIER_NO_PEER=1``: peer recovery off.
+``local_tier.py STEPS STEP_TIME_S``; ``LOCAL_TIER_NO_PEER=1``: peer recovery off;
+``LOCAL_TIER_DIR=PATH``: every rank's node-local tier in that one directory.
 """
 import os
 import sys
@@ -44,5 +45,6 @@ def train(ctx: rt.Context) -> None:
 
 
 rt.main(train, options=rt.MainOptions(checkpoint=rt.CheckpointOptions(
-    save_every_steps=5, node_local=rt.NodeLocal(persistent_every=4),
+    save_every_steps=5,
+    node_local=rt.NodeLocal(directory=os.environ.get("LOCAL_TIER_DIR"), persistent_every=4),
     peer_recovery=not os.environ.get("LOCAL_TIER_NO_PEER"))))()

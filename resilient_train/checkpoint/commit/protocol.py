@@ -32,9 +32,10 @@ from .directory import (
     TMP_PREFIX,
     StepInfo,
     in_place_dirname,
-    parse_step,
+    leftover_dir_step,
     step_dirname,
     temporary_dirname,
+    unless_held,
     verify_step,
 )
 from .manifest import Manifest, marker_bytes
@@ -171,14 +172,15 @@ def committer_for(storage: Storage, token: str) -> Committer:
 # --- at start: what crashed saves left ----------------------------------------------------
 
 def remove_crashed_saves(storage: Storage) -> None:
-    """Where the root is a local path, at start, on the primary: delete the temporary
-    step directories (and our scratch files) that runs which crashed mid-save left in
-    the root. They are never committed, and on a full disk they hold the space the next
-    save needs. A directory that a live save holds (AtomicRename.hold) is kept.
+    """Where the root is a local path, at start, on the primary: delete the directories
+    that runs which crashed mid-save (``.tmp-``) or mid-delete (``.del-``, directory.py's
+    ``delete_step``) left in the root, and our scratch files. Readers never see them, and
+    on a full disk they hold the space the next save needs. A directory that a live
+    process holds (a save: AtomicRename.hold; a delete under way) is kept.
 
-    Object stores keep an unfinished save under its final name without a marker; it
-    costs no local space and retention deletes it once a newer step commits (and
-    restore names it), so nothing is deleted there."""
+    Object stores keep an unfinished save under its final name without a marker, and an
+    unfinished delete beside its record; neither costs local space, retention removes
+    both (directory.prune), so nothing is deleted here."""
     root = storage.local_path("")
     if root is None:
         return
@@ -192,33 +194,35 @@ def remove_crashed_saves(storage: Storage) -> None:
     removed, freed = [], 0
     for name in sorted(names):
         path = os.path.join(root, name)
-        is_tmp_step = name.startswith(TMP_PREFIX) and \
-            parse_step(name[len(TMP_PREFIX):]) is not None and os.path.isdir(path)
+        is_leftover_dir = leftover_dir_step(name) is not None and os.path.isdir(path)
         # Scratch files live for milliseconds (a probe, an atomic write being renamed):
         # an old one is stale, a fresh one may be another process's probe.
         is_scratch = name.startswith((TMP_FILE_PREFIX, PROBE_PREFIX)) and \
             os.path.isfile(path) and _age_s(path) > _SCRATCH_STALE_S
-        if not (is_tmp_step or is_scratch):
+        if not (is_leftover_dir or is_scratch):
             continue
         size = _tree_size(path)
-        with _unless_held(path if is_tmp_step else None) as free_to_delete:
+        with unless_held(path if is_leftover_dir else None) as free_to_delete:
             if not free_to_delete:
-                log.info("keeping %s: a live save holds it", path)
+                log.info("keeping %s: a live process holds it", path)
                 continue
             try:
                 storage.delete(name, recursive=True)
             except Exception as exc:  # noqa: BLE001 - check_writable reports what matters
-                log.warning("could not remove %s, left by a crashed save: %s", path, exc)
+                log.warning("could not remove %s, left by a crashed save or delete: %s",
+                            path, exc)
                 continue
         removed.append(name)
         freed += size
     if removed:
-        log.warning("removed %d leftover(s) of saves that never finished from %s (%s): %s",
-                    len(removed), root, format_bytes(freed), ", ".join(removed[:5])
+        log.warning("removed %d leftover(s) of saves that never finished and of "
+                    "interrupted deletes from %s (%s): %s", len(removed), root,
+                    format_bytes(freed),
+                    ", ".join(removed[:5])
                     + (f" and {len(removed) - 5} more" if len(removed) > 5 else ""))
 
 
-# --- locks: a live save's directory is never cleaned up ------------------------------------
+# --- locks: a live save's directory is never cleaned up (directory.unless_held) -----------
 
 def _age_s(path: str) -> float:
     try:
@@ -257,27 +261,6 @@ def _held(path: str | None) -> Iterator[None]:
             log.debug("no lock on %s: %s", path, exc)
     try:
         yield
-    finally:
-        if fd is not None:
-            os.close(fd)
-
-
-@contextlib.contextmanager
-def _unless_held(path: str | None) -> Iterator[bool]:
-    """True (holding an exclusive flock on path meanwhile) unless a live save holds it.
-    Where locks are not supported: True, since the caller runs before this run saves."""
-    fd = None
-    held = False
-    if path is not None:
-        try:
-            fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            held = True
-        except OSError as exc:
-            log.debug("cannot lock %s (%s): treating it as stale", path, exc)
-    try:
-        yield not held
     finally:
         if fd is not None:
             os.close(fd)

@@ -497,9 +497,17 @@ class Storage:
     # -- changing the namespace
 
     def delete(self, rel: str, *, recursive: bool = False) -> None:
-        """Delete a file, or a directory (recursive=True for a non-empty one); missing is fine."""
+        """Delete a file, or a directory (recursive=True for a non-empty one); missing is fine.
+        A symbolic link is deleted itself, never what it points to; a path below a link
+        (posix paths) is refused, naming the link."""
         rel = _check_rel(rel, allow_root=False)
         self._retrying("delete", rel, lambda t: self._delete(rel, recursive, t))
+
+    def is_link(self, rel: str) -> bool:
+        """Whether ``rel`` itself is a symbolic link (posix paths; object stores have none).
+        A delete never goes through one (``delete`` refuses a path below a link)."""
+        rel = _check_rel(rel, allow_root=False)
+        return self._is_link(rel)
 
     def makedirs(self, rel: str = "") -> None:
         """Create a directory and its parents; a no-op on object stores (no directories)."""
@@ -716,6 +724,10 @@ class Storage:
         fine."""
         raise NotImplementedError
 
+    def _is_link(self, rel: str) -> bool:
+        """Objects have no links."""
+        return False
+
     def _makedirs(self, rel: str, budget: Budget) -> None:
         """Objects need no directories."""
 
@@ -878,6 +890,12 @@ class LocalStorage(Storage):
 
     def _delete(self, rel: str, recursive: bool, budget: Budget) -> None:
         path = self._path(rel)
+        link = self._link_above(rel)
+        if link is not None:
+            raise StorageError(
+                f"delete {path}: {link} is a symbolic link, and deleting through it would "
+                f"delete what another directory holds; delete the link itself, or the "
+                f"target where it lives", url=path, operation="delete")
         try:
             if os.path.isdir(path) and not os.path.islink(path):
                 if recursive:
@@ -888,6 +906,18 @@ class LocalStorage(Storage):
                 os.remove(path)
         except FileNotFoundError:
             pass
+
+    def _is_link(self, rel: str) -> bool:
+        return os.path.islink(self._path(rel))
+
+    def _link_above(self, rel: str) -> str | None:
+        """The first directory between the root and ``rel`` that is a symbolic link."""
+        parts = rel.split("/")[:-1]
+        for i in range(1, len(parts) + 1):
+            path = os.path.join(self._root, *parts[:i])
+            if os.path.islink(path):
+                return path
+        return None
 
     def _makedirs(self, rel: str, budget: Budget) -> None:
         os.makedirs(self._path(rel), exist_ok=True)

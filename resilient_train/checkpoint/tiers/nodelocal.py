@@ -24,8 +24,13 @@ or with ``restartJobOnWorkerRestart``) a restarted process resumes from here; wh
 does not (maintenance, node loss, preemption, a job retry: a new VM) its directory is
 empty and the restore falls back to peers or storage. Under ``resilient-train launch``
 the directory defaults to ``$RESILIENT_TRAIN_NODE_LOCAL_DIR/checkpoints``, which the
-launcher wipes exactly where the platform would (launcher/machines.py). Several processes
-on one machine (torchrun's) each get a subdirectory, ``rank00003``.
+launcher wipes exactly where the platform would (launcher/machines.py). In a job of
+several ranks each rank writes in a subdirectory of its own, ``rank00003``: processes on
+one machine (torchrun's), or ranks given one directory, never write over each other.
+
+A copy belongs to its run (:func:`run_owner`, in its manifest): the checkpoint directory
+and the job id. Another run's copy in the same directory (one ``NodeLocal(directory=...)``
+given to two runs) is named in a warning and never restored.
 
 Sharded (DTensor) state is saved to the persistent tier, and to the neighbours' memory
 (tiers/shards.py), not to the machine's disk.
@@ -40,7 +45,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ... import __version__
-from ...cluster import NODE_LOCAL_DIR_ENV, ClusterInfo
+from ...cluster import JOB_ID_ENV, NODE_LOCAL_DIR_ENV, ClusterInfo
 from ...text import format_duration
 from ...validate import NONE, expect_type, options
 from ..commit.directory import (
@@ -70,6 +75,8 @@ log = logging.getLogger(__name__)
 
 AUTO = "auto"
 MAX_PERSISTENT_EVERY = 1000   # Orbax's example ratio is 100 (every 10 and every 1,000)
+OWNER = "owner"   # the manifest's metadata entry naming the run a copy belongs to
+NO_OWNER = "no run (saved before node-local copies recorded their run)"
 
 
 @options
@@ -182,6 +189,28 @@ def processes_on_this_machine() -> int:
     return 1 if info is None else info.local_world_size
 
 
+def run_owner(checkpoint_url: str, env: Mapping[str, str] | None = None
+              ) -> dict[str, str | None]:
+    """Whose a node-local copy is, as its manifest records it: the run's checkpoint
+    directory (normalized: one directory, one spelling) and its job id where there is one
+    (the launcher's and the platform's, the same across a job's restarts and retries). A
+    plain run has none: the same checkpoint directory is the same run, and a re-run of the
+    script resumes from its copy as a restart does."""
+    env = os.environ if env is None else env
+    url = checkpoint_url.rstrip("/") if "://" in checkpoint_url \
+        else os.path.realpath(checkpoint_url)
+    return {"checkpoint_directory": url, "job_id": env.get(JOB_ID_ENV) or None}
+
+
+def _whose(owner: object) -> str:
+    """A copy's owner (its manifest's), as a warning names it."""
+    if not isinstance(owner, Mapping):
+        return NO_OWNER
+    job = owner.get("job_id")
+    return f"checkpoint directory {owner.get('checkpoint_directory')}" + \
+        (f", job {job}" if job else "")
+
+
 def partner_file(rank: int) -> str:
     """The copy of ``rank``'s per-rank state on the machine of the next rank of the ring."""
     return f"peer-rank{rank:05d}.pt"
@@ -191,13 +220,17 @@ class LocalTier:
     """This rank's node-local directory: its saves, its committed steps, its restore."""
 
     def __init__(self, options: NodeLocal, rank: int, world_size: int, token: str,
-                 sharded: ShardedCheckpointer) -> None:
+                 sharded: ShardedCheckpointer, checkpoint_url: str) -> None:
         self.options = options
         self.rank, self.world_size = rank, world_size
+        # Written into each copy's manifest; a copy that names another is not restored.
+        self.owner = run_owner(checkpoint_url)
+        self._named: set[str] = set()   # other runs' copies warned about already
         root = options.resolve()
-        if processes_on_this_machine() > 1:
-            # torchrun's processes on one machine share its disk: a directory each, or
-            # their saves of a step (same names, same job token) would overwrite each other.
+        if world_size > 1 or processes_on_this_machine() > 1:
+            # Ranks may share a directory (torchrun's processes on one machine, or one
+            # path given to all): a directory each, or their saves of a step (same names,
+            # same job token) would overwrite each other.
             root = os.path.join(root, f"rank{rank:05d}")
         self.storage = Storage(root, retry=RetryOptions())
         if not self.storage.is_local:
@@ -242,7 +275,7 @@ class LocalTier:
                                                    atomic=self.committer.files_atomic)
                 self.committer.commit(work, Manifest(
                     step=step, world_size=self.world_size, layout="replicated", files=files,
-                    library=f"resilient-train {__version__}"))
+                    library=f"resilient-train {__version__}", metadata={OWNER: self.owner}))
             except BaseException:
                 self.committer.discard(work, transient=True)
                 raise
@@ -289,21 +322,41 @@ class LocalTier:
                     "save works again, every save goes to storage too", step, self.url, why)
 
     def report(self, persistent: int | None) -> Report:
-        """What this machine holds, for the plan: its committed steps no older than the
-        persistent tier's newest (``persistent``), with or without the partner's copy."""
+        """What this machine holds, for the plan: this run's committed steps no older than
+        the persistent tier's newest (``persistent``), with or without the partner's copy.
+        Another run's copies are named (once) and left out."""
         owner_of = {partner_file(r): r for r in range(self.world_size) if r != self.rank}
         steps: list[int] = []
         partner: dict[int, int] = {}   # step -> whose copy it holds (the ring's previous rank)
-        for info in scan(self.storage, with_manifest=True):
-            if not info.committed or info.problems or \
-                    (persistent is not None and info.step < persistent):
+        foreign: dict[str, list[int]] = {}   # whose -> their steps here
+        for info in scan(self.storage, with_manifest=False):
+            if not info.committed:
                 continue
-            steps.append(info.step)
-            try:
-                files = read_manifest(self.storage, info.name, info.step).files
+            try:   # the marker and the manifest, as scan(with_manifest=True) reads them
+                manifest = read_manifest(self.storage, info.name, info.step)
             except CheckpointError:
                 continue
-            partner.update((info.step, owner_of[f]) for f in files if f in owner_of)
+            if manifest.metadata.get(OWNER) != self.owner:
+                if info.name not in self._named:
+                    self._named.add(info.name)
+                    foreign.setdefault(_whose(manifest.metadata.get(OWNER)), []).append(
+                        info.step)
+                continue
+            if persistent is not None and info.step < persistent:
+                continue
+            steps.append(info.step)
+            partner.update((info.step, owner_of[f]) for f in manifest.files if f in owner_of)
+        for whose, theirs in foreign.items():
+            what = (f"it names {whose}, so it may be another run's (this one: "
+                    f"{_whose(self.owner)}). Retention deletes it once this run has saved "
+                    f"newer steps") if whose == NO_OWNER else (
+                    f"it belongs to another run ({whose}), not to this one "
+                    f"({_whose(self.owner)}). Give each run a node-local directory of its "
+                    f"own (NodeLocal(directory=...)): runs that share one also prune each "
+                    f"other's copies")
+            log.warning("ignoring the node-local checkpoint of step%s %s in %s: %s",
+                        "s" if len(theirs) > 1 else "", ", ".join(map(str, theirs)),
+                        self.url, what)
         held_for = partner[max(partner)] if partner else None
         held = tuple(sorted(s for s, r in partner.items() if r == held_for))
         return Report(rank=self.rank, replicated=tuple(steps), own=tuple(steps),
@@ -324,6 +377,8 @@ class LocalTier:
         manifest = read_manifest(self.storage, name, step)
         problems = manifest_problems(manifest, set(list_files(self.storage, name)),
                                      self.storage, name)
+        if manifest.metadata.get(OWNER) != self.owner:   # replaced since the report
+            problems.append(f"another run's copy ({_whose(manifest.metadata.get(OWNER))})")
         if problems:
             raise CorruptCheckpointError(f"{self.storage.url_of(name)}: " + "; ".join(problems))
 
