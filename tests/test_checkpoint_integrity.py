@@ -30,9 +30,8 @@ import pytest
 import torch
 from gcs import FaultProxy
 
-from resilient_train.checkpoint import manager as manager_mod
 from resilient_train.checkpoint.commit import loader
-from resilient_train.checkpoint.commit.directory import StepInfo, scan, verify_step
+from resilient_train.checkpoint.commit.directory import TMP_PREFIX, StepInfo, scan, verify_step
 from resilient_train.checkpoint.commit.manifest import (
     MANIFEST,
     MARKER,
@@ -52,12 +51,13 @@ from resilient_train.checkpoint.storage.base import (
     StoragePermissionError,
     StorageUnavailableError,
 )
+from resilient_train.checkpoint.tiers import persistent as persistent_mod
 from resilient_train.cli import main as cli
 from resilient_train.errors import Classification, classify_exception
 from resilient_train.frames import current_frames
 
 FAST = RetryOptions(deadline_s=30.0, initial_s=0.01, max_wait_s=0.1)
-LOGGER = manager_mod.log.name
+LOGGER = persistent_mod.log.name   # the checkpoint directory's saves and restores
 DEADLINE_S = 30.0
 
 
@@ -589,7 +589,7 @@ def test_retention_never_deletes_the_only_commit(cheap_backend: Backend,
 
 def _leftover(st: Storage, step: int, token: str) -> str:
     if st.atomic_rename:
-        name = f"{manager_mod.TMP_PREFIX}{step_dirname(step)}-{token}"
+        name = f"{TMP_PREFIX}{step_dirname(step)}-{token}"
     else:
         name = f"{step_dirname(step)}-{token}"
     st.write_bytes(f"{name}/shared.pt", b"half a checkpoint")

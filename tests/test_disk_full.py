@@ -29,23 +29,20 @@ from typing import Any
 import pytest
 import torch
 
-from resilient_train.checkpoint import manager as manager_mod
-from resilient_train.checkpoint.commit.directory import scan, verify_step
+from resilient_train.checkpoint.commit.directory import TMP_PREFIX, scan, verify_step
 from resilient_train.checkpoint.commit.manifest import CheckpointError, step_dirname
 from resilient_train.checkpoint.commit.retention import RetentionPolicy
-from resilient_train.checkpoint.manager import (
-    CheckpointManager,
-    CheckpointOptions,
-    CheckpointStorageFullError,
-)
+from resilient_train.checkpoint.errors import CheckpointStorageFullError
+from resilient_train.checkpoint.manager import CheckpointManager, CheckpointOptions
 from resilient_train.checkpoint.storage import base as storage_mod
 from resilient_train.checkpoint.storage import fileio
 from resilient_train.checkpoint.storage.base import StorageFullError
+from resilient_train.checkpoint.tiers import persistent as persistent_mod
 from resilient_train.errors import Classification, classify_exception
 
 MiB = 1 << 20
 CAPACITY = 20 * MiB
-LOGGER = manager_mod.log.name
+LOGGER = persistent_mod.log.name   # the checkpoint directory's saves and restores
 
 
 # --- the two disks -----------------------------------------------------------------------
@@ -196,7 +193,7 @@ def disk(request: pytest.FixtureRequest, tmp_path: Path,
     # What the error reports as free: the quota's, not the real disk's.
     fake_free = lambda _path: quota.free()  # noqa: E731
     monkeypatch.setattr(storage_mod, "free_bytes", fake_free)
-    monkeypatch.setattr(manager_mod, "free_bytes", fake_free)
+    monkeypatch.setattr(persistent_mod, "free_bytes", fake_free)
     yield quota
 
 
@@ -235,7 +232,7 @@ def _check_no_space_error(exc: CheckpointStorageFullError, ckpt: Path, step: int
     msg = str(exc)
     # The checkpoint directory, and the file that did not fit.
     assert f"checkpoint step {step} was not saved: no space left in {ckpt} (rank 0 writing " \
-           f"{ckpt}/{manager_mod.TMP_PREFIX}{step_dirname(step)}-" in msg, msg
+           f"{ckpt}/{TMP_PREFIX}{step_dirname(step)}-" in msg, msg
     assert "This save needs about 6.0 MiB" in msg, msg
     assert " free there now" in msg and "next save tries again" in msg, msg
     if last is not None:
@@ -328,7 +325,7 @@ def test_leftovers_of_crashed_saves_are_removed_at_start(
         mgr.save(1)
     # A run that crashed while saving step 2 filled the disk with its temporary directory
     # (and a scratch file of an interrupted atomic write).
-    crashed = ckpt / f"{manager_mod.TMP_PREFIX}{step_dirname(2)}-deadbeef"
+    crashed = ckpt / f"{TMP_PREFIX}{step_dirname(2)}-deadbeef"
     crashed.mkdir()
     scratch = ckpt / f"{storage_mod.TMP_FILE_PREFIX}manifest.json-0123456789ab"
     scratch.write_bytes(b"{")
@@ -405,7 +402,7 @@ def test_a_save_in_flight_is_not_removed_as_a_leftover(tmp_path: Path,
         writer.track(model=_model(0))
         writer.save(1)
         assert entered.wait(30)
-        (in_flight,) = [n for n in os.listdir(ckpt) if n.startswith(manager_mod.TMP_PREFIX)]
+        (in_flight,) = [n for n in os.listdir(ckpt) if n.startswith(TMP_PREFIX)]
         _manager(ckpt).close()            # its start-up clean-up runs now
         assert in_flight in os.listdir(ckpt)
     finally:

@@ -21,7 +21,7 @@ from typing import Any, ClassVar
 import pytest
 import torch
 
-from resilient_train.checkpoint import manager as manager_mod
+from resilient_train.checkpoint.tiers import persistent as persistent_mod
 from resilient_train.checkpoint import progress as progress_mod
 from resilient_train.checkpoint.commit.directory import (
     SHARED_FILE,
@@ -297,12 +297,12 @@ def _released_by_a_line() -> Iterator[Callable[[str], threading.Event]]:
                     event.set()
 
         handlers.append((Release(), event))
-        manager_mod.log.addHandler(handlers[-1][0])
+        persistent_mod.log.addHandler(handlers[-1][0])
         return event
 
     yield gate
     for handler, event in handlers:
-        manager_mod.log.removeHandler(handler)
+        persistent_mod.log.removeHandler(handler)
         event.set()
 
 
@@ -317,7 +317,7 @@ def test_a_long_restore_says_how_far_it_has_got(
     options = {**_options(gcs_bucket), "endpoint_url": gcs_proxy.endpoint}   # via the proxy
     url = f"{gcs_bucket.url}/progress"
     net = Net(seed=8)
-    caplog.set_level(logging.INFO, logger=manager_mod.__name__)
+    caplog.set_level(logging.INFO, logger="resilient_train.checkpoint")
     with CheckpointManager(url, options=CheckpointOptions(
             async_save=False, retry=FAST, storage_options=options)) as mgr:
         mgr.track(model=net)
@@ -368,7 +368,7 @@ def test_a_long_save_that_the_loop_waits_for_says_how_far_it_has_got(
     monkeypatch.setattr(progress_mod, "AFTER_S", 0.05)
     monkeypatch.setattr(progress_mod, "EVERY_S", 0.05)
     options = {**_options(gcs_bucket), "endpoint_url": gcs_proxy.endpoint}   # via the proxy
-    caplog.set_level(logging.INFO, logger=manager_mod.__name__)
+    caplog.set_level(logging.INFO, logger="resilient_train.checkpoint")
     gate = _released_by_a_line(r"saving step 1 to ")
     gcs_proxy.inject(gate, count=1, method="POST", path=r"/upload/.*step-0+1")
     with CheckpointManager(f"{gcs_bucket.url}/saving", options=CheckpointOptions(

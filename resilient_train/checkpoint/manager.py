@@ -34,39 +34,20 @@ from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from .. import __version__
-from ..errors import Classification, PermanentError, TransientError, classify_exception
+from ..errors import Classification, classify_exception
 from ..lifecycle import say_once
 from ..validate import NONE, expect_type, options
 from .commit.directory import (
-    SHARED_FILE,
-    TMP_PREFIX,
-    KnownSteps,
-    StepInfo,
     default_directory,
-    find_committed,
-    list_files,
-    manifest_problems,
-    parse_step,
-    prune,
-    rank_file,
-    read_manifest,
-    scan,
 )
-from .commit.lastwriter import WriterWatch
-from .commit.loader import load_verified
 from .commit.manifest import (
-    MARKER,
     CheckpointError,
     CorruptCheckpointError,
-    FileEntry,
-    Manifest,
-    manifest_entry,
 )
-from .commit.protocol import committer_for, remove_crashed_saves
 from .commit.retention import RetentionPolicy
-from .commit.sharded import SHARDED_LAYOUT, ShardedCheckpointer, uses_sharded_layout
-from .commit.stepwriter import RankFailure, StepWriter, WriterThread
+from .commit.sharded import ShardedCheckpointer, uses_sharded_layout
+from .commit.stepwriter import StepWriter, WriterThread
+from .errors import TransientCheckpointError
 from .progress import Progress
 from .schedule.coordination import Coordinator, default_coordinator
 from .schedule.emergency import CommitGate, Grace, Outcome, SaveAbandoned, remaining
@@ -98,13 +79,14 @@ from .state.capture import (
 from .state.kept import KeptObjects
 from .state.overrides import describe, overridden
 from .state.stepwrites import StepWrites, before_each_call, current_buffers, put_buffers
-from .storage.base import RetryOptions, Storage, format_bytes, free_bytes, is_no_space
+from .storage.base import RetryOptions, Storage, format_bytes
 from .tiers import shards as shard_copies
+from .tiers.restored import Restored, RestoreRecord, bytes_read
 from .tiers.early import Early
 from .tiers.nodelocal import LocalTier, NodeLocal, PersistentCadence
 from .tiers.peers import PeerMemory, PeerRing, process_memory
+from .tiers.persistent import PersistentTier
 from .tiers.plan import Plan, Recovered, carry_out, loads_rank_state, plan
-from .transport.readonce import read_once
 from .transport.ringlink import RingLink, local_address, new_token
 
 log = logging.getLogger(__name__)
@@ -225,31 +207,6 @@ class CheckpointOptions:
         return with_ceiling(given, self.max_interval_s)
 
 
-@dataclass(frozen=True)
-class RestoreRecord:
-    """Where this rank's state came from at the start of a life: the job record's unit."""
-
-    step: int                      # 0: a fresh start
-    source: str                    # "peer", "persistent" or "none"
-    seconds: float
-    bytes_read: Mapping[str, int]  # per tier: "peer", "node-local", "persistent"
-    from_rank: int | None = None   # peer: who sent the replicated state
-    reason: str = ""               # why a faster tier was not used
-    where: str = ""                # persistent: the checkpoint directory's URL
-
-    def describe(self) -> str:
-        """Where the state came from, for a person: "rank 0's memory", a URL."""
-        if self.source == "peer":
-            return "its own memory" if self.from_rank is None else \
-                f"rank {self.from_rank}'s memory"
-        if self.source == "node-local" and self.from_rank is not None:
-            return f"rank {self.from_rank}'s node-local disk"
-        return self.where or self.source
-
-
-TIERS = ("peer", "node-local", "persistent")
-
-
 # What a restore's first half (CheckpointManager._fetch) got, per tier, for its second
 # half (_load); ``record`` lacks only the restore's seconds.
 
@@ -270,37 +227,7 @@ class _FromLocal:
     since: int               # saves since the last persistent one (PersistentCadence)
 
 
-@dataclass(frozen=True)
-class _FromStorage:
-    record: RestoreRecord
-    manifest: Manifest | None = None   # None: nothing to restore (a fresh start)
-    name: str = ""
-    shared: dict[str, Any] = field(default_factory=dict)
-    mine: dict[str, Any] = field(default_factory=dict)
-
-
-_Fetched = _FromPeers | _FromLocal | _FromStorage
-
-
-def _bytes_read(**per_tier: int) -> dict[str, int]:
-    return {tier: int(per_tier.get(tier.replace("-", "_"), 0)) for tier in TIERS}
-
-
-class TransientCheckpointError(CheckpointError, TransientError):
-    """A background save failed for a reason that a retry can fix (storage, network)."""
-
-
-class CheckpointStorageFullError(CheckpointError, PermanentError):
-    """A save ran out of space (ENOSPC / EDQUOT). Nothing was committed, what the save wrote
-    is removed, the last committed step is kept; the next save tries again. Permanent for
-    the exit code: a rerun fills the same disk unless someone frees space."""
-
-    def __init__(self, message: str, *, directory: str | None, needed_bytes: int,
-                 free_bytes: int | None) -> None:
-        super().__init__(message)
-        self.directory = directory
-        self.needed_bytes = needed_bytes
-        self.free_bytes = free_bytes
+_Fetched = _FromPeers | _FromLocal | Restored
 
 
 class _Sharded(Exception):
@@ -323,36 +250,29 @@ class CheckpointManager:
         self.coord = coordinator or default_coordinator()
         self.rank, self.world_size = self.coord.rank, self.coord.world_size
         self.is_primary = self.rank == 0
-        self._writers = WriterWatch(self.storage.url, self.options.storage_options)
         self.scheduler = SaveScheduler(self.options.save_policy(), self.coord, watch,
                                        clock=clock,
                                        sync_interval_s=self.options.sync_interval_s)
-        if self.is_primary:
-            # Every rank is past the policy agreement and waits for the token below, so no
-            # rank of this run is saving: what temporary saves exist are from crashed runs.
-            remove_crashed_saves(self.storage)
-            self.storage.check_writable()   # a missing bucket fails now, not hours from now
-        # A fresh name per run for in-flight saves: a crashed run's leftovers never mix in.
-        self._token: str = self.coord.broadcast(os.urandom(4).hex())
-        self.committer = committer_for(self.storage, self._token)
+        self._sharded = ShardedCheckpointer(self.coord)  # FSDP2 / DTensor state: commit/sharded.py
+        # SIGTERM: the gate that refuses a commit after the emergency save's deadline.
+        self._gate = CommitGate()
+        # The checkpoint directory (after the policy agreement: see its constructor).
+        self._persistent = PersistentTier(
+            self.storage, self.coord, self._sharded, self._gate,
+            retention=self.options.retention, metadata=self.options.metadata,
+            storage_options=self.options.storage_options)
+        self._token = self._persistent.token
         self.scheduler.start()
         self._tracked: dict[str, Any] = {}
         self.values: dict[str, Any] = {}
         self._snapshot = HostSnapshot()
-        self._sharded = ShardedCheckpointer(self.coord)  # FSDP2 / DTensor state: commit/sharded.py
-        self.writer = StepWriter(self.storage, self._sharded, rank=self.rank,
-                                 files_atomic=self.committer.files_atomic)
         self._thread = WriterThread("rt-ckpt-writer")
         self._inflight: Future[None] | None = None
         self._writing = (0, time.monotonic())   # the last save's start: bytes moved, time
         self._writing_to: list[Storage] = []    # ... and the tiers it writes
         self._writing_tree: Any = None   # what it writes to each tier (progress)
         self._error: BaseException | None = None
-        self.last_commit_step: int | None = None
-        self._recorded: int | None = None   # committed, its writer record not yet written
         self.last_blocking_s = 0.0
-        # For retention: the steps known to verify or not; neither is checked again.
-        self.known = KnownSteps()
         group = getattr(self.coord, "main_group", None)
         self._ring: PeerRing | None = None
         # What this process keeps across lives (tiers/peers.py): the state for peer recovery, and
@@ -383,7 +303,6 @@ class CheckpointManager:
         # save after a step without one may cut gradients being accumulated in two.
         self._steps_called = self._steps_at_boundary = 0
         self._advice = ScriptAdvice(self._tracked, self.is_primary)   # what to change
-        self._read_bytes = 0   # checkpoint bytes this rank read from storage in a restore
         self._local: LocalTier | None = None
         if self.options.node_local is not None:
             self._local = LocalTier(self.options.node_local, self.rank, self.world_size,
@@ -397,9 +316,28 @@ class CheckpointManager:
         self._local_step: int | None = None   # the last step committed to the node-local tier
         # SIGTERM: the emergency save's deadline, and the gate that refuses a late commit.
         self._grace = Grace.resolve(self.options.sigterm_grace_s)
-        self._gate = CommitGate()
         self.abandoned = ""   # why the emergency save was abandoned, for the exit's line
         self.left_behind: threading.Thread | None = None   # its writer, left to the exit
+
+    @property
+    def last_commit_step(self) -> int | None:
+        """The newest step committed to the checkpoint directory, as this life knows it."""
+        return self._persistent.last_commit_step
+
+    @last_commit_step.setter
+    def last_commit_step(self, step: int | None) -> None:
+        self._persistent.last_commit_step = step
+
+    @property
+    def writer(self) -> StepWriter:
+        """How this rank writes its files of a step to the checkpoint directory."""
+        return self._persistent.writer
+
+    def latest_step(self) -> int | None:
+        """The newest committed step in the checkpoint directory (its marker written), or
+        None: a listing, no checkpoint read. For a process that follows a job's checkpoints
+        (an evaluator): call ``restore_latest()`` when it moves."""
+        return self._persistent.latest_step()
 
     @property
     def _peers(self) -> bool:
@@ -818,7 +756,7 @@ class CheckpointManager:
             if not self.is_primary:
                 snap = {k: v for k, v in snap.items() if k != "shared"}   # the primary's
             t0 = time.perf_counter()
-            self._write(step, snap)
+            self._persistent.write(step, snap, self._snapshot.wait)
             self.scheduler.wrote(1, time.perf_counter() - t0)
 
     def _copy_shards(self, step: int, snap: dict[str, Any]) -> None:
@@ -849,124 +787,9 @@ class CheckpointManager:
             return None
         return memory.partner_rank, loads_rank_state(payload)
 
-    def _write(self, step: int, snap: dict[str, Any]) -> None:
-        """Write this rank's files, hand them to the primary, which commits the step or,
-        if any rank failed, discards it and raises why."""
-        work = self.committer.work_dir(step)
-        if self.committer.already_committed(work):
-            log.info("checkpoint step %d is already committed; not saving it again", step)
-            return
-        with self.committer.hold(work):
-            self._write_held(step, snap, work)
-
-    def _write_held(self, step: int, snap: dict[str, Any], work: str) -> None:
-        entries: dict[str, FileEntry] = {}
-        failure: Exception | None = None
-        try:
-            self._snapshot.wait()   # its deferred copies (an overlapped snapshot)
-            entries = self.writer.write(work, snap)
-        except Exception as exc:  # reported to the primary below, then raised
-            failure = exc
-        # Every rank gets here, also after a failure: no one waits in the gather for a rank
-        # that gave up, and the primary learns that the step must not be committed.
-        mine = None if failure is None else self.writer.failure(snap, failure)
-        gathered = self.coord.gather((step, entries, mine))
-        if gathered is None:  # only the primary commits (and cleans up)
-            if mine is not None:
-                self._raise_failed(step, [mine], 0, failure)
-            return
-        failed = [f for _, _, f in gathered if f is not None]
-        # What the ranks that did not fail wrote, to the byte: part of what the step needs.
-        written = sum(e.size for _, files, f in gathered if f is None for e in files.values())
-        if failed:
-            self.committer.discard(work, transient=any(f.transient for f in failed))
-            self._raise_failed(step, failed, written, failure)
-        try:
-            self._commit(step, work, "dcp" in snap, gathered)
-        except Exception as exc:
-            self.committer.discard(
-                work, transient=classify_exception(exc) is Classification.TRANSIENT)
-            if is_no_space(exc):
-                # The files are all written (in ``written``): the commit's own did not fit.
-                self._raise_failed(step, [self.writer.failure(snap, exc, nbytes=0)],
-                                   written, exc)
-            raise
-
-    def _raise_failed(self, step: int, failed: list[RankFailure], written: int,
-                      own: Exception | None) -> None:
-        """Raise why step was not committed: a full disk with the space it needs; else this
-        rank's own error; else (primary) what the other ranks reported. ``written``: the
-        bytes the ranks that did not fail wrote."""
-        full = [r for r in failed if r.no_space]
-        if full:
-            directory = full[0].directory
-            needed = written + sum(r.state_bytes for r in failed)
-            free = free_bytes(directory) if directory else None
-            last = (f"the last committed step, {self.last_commit_step}, is kept"
-                    if self.last_commit_step is not None else "no step was committed before")
-            keep = self.options.retention.keep_last
-            where = directory or self.storage.url
-            who = "; ".join(f"rank {r.rank} writing {r.file}" if r.file else
-                            f"rank {r.rank}: {r.error}" for r in full[:2])
-            msg = (
-                f"checkpoint step {step} was not saved: no space left in {where} ({who}). "
-                f"This save needs about {format_bytes(needed)}; {format_bytes(free)} is "
-                f"free there now. {'What it' if self.is_primary else 'What this rank'} "
-                f"wrote was removed; {last}. Free space, lower RetentionPolicy.keep_last "
-                f"(now {keep}: the directory needs room for {keep} committed step(s) plus "
-                f"the one being written, until retention runs) or use a larger disk; the "
-                f"next save tries again.")
-            raise CheckpointStorageFullError(msg, directory=directory, needed_bytes=needed,
-                                             free_bytes=free) from own
-        if own is not None:
-            raise own
-        text = "; ".join(f"rank {r.rank}: {r.error}" for r in failed[:3])
-        cls = TransientCheckpointError if all(r.transient for r in failed) else CheckpointError
-        raise cls(f"checkpoint step {step} was not committed: {len(failed)} rank(s) failed to "
-                  f"write their files ({text}); what they wrote was removed")
-
-    def _commit(self, step: int, work: str, sharded: bool, gathered: list[Any]) -> None:
-        steps = {rank: s for rank, (s, _, _) in enumerate(gathered)}
-        if set(steps.values()) != {step}:
-            # Committing would pair this manifest with other steps' files: refuse.
-            ranks = ", ".join(f"rank {r}: step {s}" for r, s in steps.items())
-            raise CheckpointError(
-                f"the ranks saved different steps ({ranks}): "
-                "their save policies decided differently. A SavePolicy must decide from its "
-                "SaveContext (and state that is the same on every rank) alone; step "
-                f"{step} is not committed.")
-        files: dict[str, FileEntry] = {}
-        for _, part, _ in gathered:
-            files.update(part)
-        manifest = Manifest(step=step, world_size=self.world_size,
-                            layout=SHARDED_LAYOUT if sharded else "replicated",
-                            files=files, library=f"resilient-train {__version__}",
-                            metadata=dict(self.options.metadata))
-        with self._gate.commit(step):   # refused after an emergency save's deadline
-            committed_as = self.committer.commit(work, manifest)
-        self.last_commit_step = self._recorded = step
-        self.known.commit(committed_as)
-        log.info("checkpoint step %d committed to %s", step, self.storage.url_of(committed_as))
-
     def _after_commit(self) -> None:
-        """Writer thread, after a save: the writer record of the step it committed (the
-        primary's) and retention."""
-        step, self._recorded = self._recorded, None
-        if step is not None and not self.scheduler.sigterm_received:
-            self._writers.committed(step)   # a stop's exit does not wait on advice
-        self._apply_retention()
-
-    # --- what to keep -----------------------------------------------------------------
-
-    def _apply_retention(self) -> None:
-        if not self.is_primary:
-            return
-        # The step is committed: a failure to clean up must not report the save as failed.
-        try:
-            prune(self.storage, self.options.retention, protect=self._token,
-                  known_good=self.known.good(), known_bad=self.known.bad)
-        except Exception as exc:
-            log.warning("retention after a commit failed (retried after the next one): %s", exc)
+        """Writer thread, after a save: the persistent tier's writer record and retention."""
+        self._persistent.after_commit(stopping=self.scheduler.sigterm_received)
 
     # --- restoring --------------------------------------------------------------------
 
@@ -987,13 +810,6 @@ class CheckpointManager:
         if isinstance(the_plan, Plan):
             self._early = Early(lambda: self._fetch_from_peers(the_plan, sharded=False),
                                 f"the state of step {the_plan.step} from peers")
-
-    def latest_step(self) -> int | None:
-        """The newest committed step in the checkpoint directory (its marker written), or
-        None: a listing, no checkpoint read. For a process that follows a job's checkpoints
-        (an evaluator): call ``restore_latest()`` when it moves."""
-        return max((i.step for i in scan(self.storage, with_manifest=False) if i.committed),
-                   default=None)
 
     def restore_latest(self, *, strict: bool = True) -> int | None:
         """Load the newest state into the tracked objects, the RNGs and ``values``; return
@@ -1041,7 +857,7 @@ class CheckpointManager:
             if not isinstance(local, str):
                 return replace(local, record=replace(local.record, reason=reason))
             reason = f"{reason}; {local}" if reason else local
-        return self._fetch_from_storage(reason)
+        return self._persistent.restore(reason)
 
     def _load(self, fetched: _Fetched, strict: bool, early: str = "") -> int | None:
         """Load what _fetch got into the tracked objects, the RNGs and ``values``.
@@ -1059,11 +875,15 @@ class CheckpointManager:
             log.info("restored checkpoint step %d from the node-local tier%s", got.step,
                      "" if got.from_rank is None else f" (rank {got.from_rank}'s machine)")
             return got.step
-        if fetched.manifest is None:
+        if fetched.step is None:
             return None
-        self._apply(fetched.manifest, fetched.shared, fetched.mine, strict)
-        self.known.restored = fetched.name
-        return fetched.manifest.step
+        if fetched.load is not None:   # what the replicated tree cannot carry (sharded)
+            fetched.load(self._tracked, strict)
+        self._load_trees(fetched.shared, fetched.mine, strict)
+        self.scheduler.restored(*fetched.save_point)
+        self._persistent.restored(fetched)
+        log.info("%s", fetched.message)
+        return fetched.step
 
     def _fetch_from_peers(self, the_plan: Plan, sharded: bool) -> _FromPeers:
         assert self._ring is not None
@@ -1076,7 +896,7 @@ class CheckpointManager:
             got = self._ring.transfer(the_plan)
             from_rank = got.from_rank
         record = RestoreRecord(step=got.step, source="peer", seconds=0.0,
-                               bytes_read=_bytes_read(peer=got.nbytes), from_rank=from_rank)
+                               bytes_read=bytes_read(peer=got.nbytes), from_rank=from_rank)
         return _FromPeers(record, the_plan, got, sharded)
 
     def _load_from_peers(self, fetched: _FromPeers, strict: bool, early: str) -> int:
@@ -1134,189 +954,9 @@ class CheckpointManager:
                     if s <= got.step and (newest is None or s > newest))
         record = RestoreRecord(
             step=got.step, source="node-local", seconds=0.0,
-            bytes_read=_bytes_read(node_local=self._local.read_bytes, peer=got.nbytes),
+            bytes_read=bytes_read(node_local=self._local.read_bytes, peer=got.nbytes),
             from_rank=got.from_rank, where=self._local.url)
         return _FromLocal(record, got, newest, holdings.created or time.time(), since)
-
-    def _fetch_from_storage(self, reason: str) -> _FromStorage:
-        """The newest committed step that verifies on every rank: each rank's own file, and
-        the replicated state read once, by the primary, and streamed to the others."""
-        self._read_bytes = 0
-        infos = scan(self.storage, with_manifest=False) if self.is_primary else []
-        names: list[tuple[int, str]] = self.coord.broadcast(
-            [(i.step, i.name) for i in infos if i.committed] if self.is_primary else None)
-        if self.is_primary:
-            self._warn_uncommitted(infos)
-            self._writers.looked()
-        problems: list[str] = []
-        for step, name in sorted(names, reverse=True):
-            # A restore of tens of GB takes minutes: the primary, which reads the
-            # replicated state for every rank, says how far it has got.
-            with Progress(f"restoring step {step} from {self.storage.url_of(name)}",
-                          lambda: self.storage.bytes_moved,
-                          after_s=None if self.is_primary else math.inf,
-                          log=log) as progress:
-                fetched = self._fetch_step(step, name, reason, problems, progress)
-            if fetched is not None:
-                return fetched
-            self.known.bad.add(name)
-            log.warning("checkpoint %s does not verify%s; trying the previous one",
-                        self.storage.url_of(name), f": {problems[-1]}" if problems else
-                        " on another rank")
-        if names:
-            raise CorruptCheckpointError(
-                f"{len(names)} committed checkpoint(s) in {self.storage.url} but none verifies: "
-                + "; ".join(problems[:5])
-                + ". Refusing to start from scratch silently: fix or move the directory, "
-                "or pass a new checkpoint directory to start over.")
-        if self.is_primary:
-            self._explain_fresh_start()
-        return _FromStorage(self._storage_record(0, reason))
-
-    def _fetch_step(self, step: int, name: str, reason: str, problems: list[str],
-                    progress: Progress) -> _FromStorage | None:
-        """One committed step from storage on every rank, or None (and the problem noted)
-        where it does not verify on some rank."""
-        loaded: tuple[Manifest, dict[str, Any], dict[str, Any] | None] | None = None
-        try:
-            loaded = self._load_step(step, name, progress)
-        except CorruptCheckpointError as exc:
-            problems.append(str(exc))
-        # Every rank must restore the same step: one rank's bad file skips it for all.
-        if self.coord.allreduce_max([0 if loaded else 1])[0] != 0 or loaded is None:
-            return None
-        manifest, shared, mine = loaded
-        try:
-            shared = self._share(name, manifest, shared)
-        except CorruptCheckpointError as exc:   # raised alike on every rank
-            problems.append(str(exc))
-            return None
-        if mine is None:
-            mine = self._values_of_rank_0(manifest)
-        if self.is_primary and manifest.world_size > self.world_size:
-            self._say_ranks_dropped(manifest)
-        return _FromStorage(self._storage_record(step, reason), manifest, name, shared, mine)
-
-    def _storage_record(self, step: int, reason: str) -> RestoreRecord:
-        return RestoreRecord(step=step, source="persistent" if step else "none", seconds=0.0,
-                             bytes_read=_bytes_read(persistent=self._read_bytes),
-                             reason=reason, where=self.storage.url)
-
-    def _values_of_rank_0(self, manifest: Manifest) -> dict[str, Any]:
-        """A step saved by fewer ranks has no file for this one: rank 0's ``values``, and
-        this rank's RNG streams as they are (another rank's are not ours)."""
-        log.warning("checkpoint step %d was written by %d ranks and has no file for rank "
-                    "%d: its RNG state stays as it is and the values of rank 0 are used",
-                    manifest.step, manifest.world_size, self.rank)
-        theirs = load_verified(self.storage, find_committed(self.storage, manifest.step),
-                               rank_file(0), manifest)
-        self._read_bytes += manifest.files[rank_file(0)].size
-        return {"values": theirs["values"]}
-
-    def _say_ranks_dropped(self, manifest: Manifest) -> None:
-        """A step saved by more ranks than this job has: the extra ranks' own state (RNG
-        streams, values, buffers) has no rank to go to. Said once, by the primary."""
-        first, last = self.world_size, manifest.world_size - 1
-        ranks = f"rank {first}" if first == last else f"ranks {first}-{last}"
-        log.warning("checkpoint step %d was written by %d ranks and this job has %d: the "
-                    "RNG states and values of %s are not used (the tracked objects and a "
-                    "ResumableLoader's position do not depend on the world size)",
-                    manifest.step, manifest.world_size, self.world_size, ranks)
-
-    def _warn_uncommitted(self, infos: list[StepInfo]) -> None:
-        """Name each step directory newer than the newest commit that has no marker: restore
-        skips it, and a silent skip hides a deleted marker or a save that never finished.
-        (Only uncommitted steps at all: _explain_fresh_start says so.)"""
-        committed = [i.step for i in infos if i.committed]
-        if not committed:
-            return
-        for info in infos:
-            if not info.committed and info.step > max(committed) \
-                    and not info.name.startswith(TMP_PREFIX):
-                log.warning("checkpoint %s has no %s marker, so it is not a checkpoint and is "
-                            "skipped: a save that never finished, or a marker that was "
-                            "deleted (`resilient-train checkpoints verify %s` lists it)",
-                            self.storage.url_of(info.name), MARKER, self.storage.url)
-
-    def _explain_fresh_start(self) -> None:
-        """One line on a fresh start, and a warning where the directory suggests a mistake:
-        only uncommitted steps (every save crashed), or step directories one level down."""
-        try:
-            infos = scan(self.storage, with_manifest=False)
-            nested = [] if infos else [
-                child for child in self.storage.listdir("")[:20]
-                if any(parse_step(g) is not None for g in self.storage.listdir(child)[:50])]
-        except Exception as exc:
-            log.debug("could not look for hints in %s: %s", self.storage.url, exc)
-            infos, nested = [], []
-        if infos:
-            log.warning("no committed checkpoint in %s, only %d uncommitted step "
-                        "director%s without a %s marker (saves that never finished): %s; "
-                        "starting from step 0", self.storage.url, len(infos),
-                        "y" if len(infos) == 1 else "ies", MARKER,
-                        ", ".join(i.name for i in infos[-5:]))
-        elif nested:
-            log.warning("no checkpoint in %s, but %s hold%s step directories: is the "
-                        "checkpoint directory one level too high? Starting from step 0",
-                        self.storage.url, ", ".join(self.storage.url_of(n) for n in nested),
-                        "s" if len(nested) == 1 else "")
-        else:
-            log.info("no checkpoint in %s: starting from step 0", self.storage.url)
-
-    def _load_step(self, step: int, name: str, progress: Progress
-                   ) -> tuple[Manifest, dict[str, Any], dict[str, Any] | None]:
-        where = self.storage.url_of(name)
-        manifest = read_manifest(self.storage, name, step)
-        if manifest.layout != SHARDED_LAYOUT:   # what this rank reads: the primary the most
-            reads = [rank_file(self.rank), *([SHARED_FILE] if self.is_primary else [])]
-            progress.total = sum(manifest.files[f].size for f in reads if f in manifest.files)
-        present = set(list_files(self.storage, name))
-        problems = manifest_problems(manifest, present, self.storage, name)
-        if problems:
-            raise CorruptCheckpointError(f"{where}: " + "; ".join(problems))
-        # Read once: the replicated state is the same for every rank, so in a group the
-        # primary streams it to the others (_share) once every rank's own file verified.
-        shared: dict[str, Any] = {}
-        if self._group() is None:
-            shared = load_verified(self.storage, name, SHARED_FILE, manifest)
-            self._read_bytes += manifest.files[SHARED_FILE].size
-        if manifest.layout == SHARDED_LAYOUT:  # deep-check the DCP files this rank reads
-            self._sharded.verify(self.storage, name, manifest)
-        own = rank_file(self.rank)
-        mine = None
-        if own in manifest.files:
-            mine = load_verified(self.storage, name, own, manifest)
-            self._read_bytes += manifest.files[own].size
-        return manifest, shared, mine
-
-    def _group(self) -> Any:
-        """The process group that a read-once restore streams over; None: read alone."""
-        return None if self.world_size == 1 else getattr(self.coord, "main_group", None)
-
-    def _share(self, name: str, manifest: Manifest, shared: dict[str, Any]
-               ) -> dict[str, Any]:
-        """The replicated state on every rank: read by the primary alone and streamed to
-        the others as it is read (transport/readonce.py); ``shared`` where this rank read it alone."""
-        group = self._group()
-        if group is None:
-            return shared
-        rel = f"{name}/{SHARED_FILE}"
-        entry = manifest_entry(manifest, SHARED_FILE, self.storage.url_of(rel))
-
-        def counted(n: int) -> None:
-            self._read_bytes += n
-
-        return read_once(self.storage, rel, entry, src=0, rank=self.rank, group=group,
-                         counted=counted)
-
-    def _apply(self, manifest: Manifest, shared: dict[str, Any], mine: dict[str, Any],
-               strict: bool) -> None:
-        if manifest.layout == SHARDED_LAYOUT:
-            self._sharded.load(self.storage, manifest, self._tracked, shared, strict=strict)
-        self._load_trees(None if manifest.layout == SHARDED_LAYOUT else shared, mine, strict)
-        self.last_commit_step = manifest.step
-        self.scheduler.restored(manifest.step, manifest.created)
-        log.info("restored checkpoint step %d from %s", manifest.step, self.storage.url)
 
     def _load_trees(self, shared: dict[str, Any] | None, mine: dict[str, Any],
                     strict: bool) -> None:
