@@ -21,7 +21,6 @@ from typing import Any, ClassVar
 import pytest
 import torch
 
-from resilient_train.checkpoint.tiers import persistent as persistent_mod
 from resilient_train.checkpoint import progress as progress_mod
 from resilient_train.checkpoint.commit.directory import (
     SHARED_FILE,
@@ -297,12 +296,12 @@ def _released_by_a_line() -> Iterator[Callable[[str], threading.Event]]:
                     event.set()
 
         handlers.append((Release(), event))
-        persistent_mod.log.addHandler(handlers[-1][0])
+        logging.getLogger("resilient_train.checkpoint").addHandler(handlers[-1][0])
         return event
 
     yield gate
     for handler, event in handlers:
-        persistent_mod.log.removeHandler(handler)
+        logging.getLogger("resilient_train.checkpoint").removeHandler(handler)
         event.set()
 
 
