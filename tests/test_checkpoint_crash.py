@@ -8,7 +8,9 @@ weights follow a known formula (`crash_model`: step k's weights are exactly base
 parent SIGKILLs the child at the instant the test drew from a seeded RNG and reports where
 the child was (restore / between saves / snapshot / writing data / manifest / marker /
 commit / retention, from a shared memory page the child updates). Three such parents work
-at the same time, each killing into its own share of the directories.
+at the same time, each killing into its own share of the directories. An aimed kill
+(``Aim``) is no instant: the child stops itself at the point aimed at and is killed there,
+so the phases a test names are covered on every run, however loaded the machine.
 
 After every kill, in the test process, with fresh objects:
   * ``restore_latest()`` returns None only if nothing was ever reported committed (and no
@@ -100,7 +102,25 @@ NODE_LOCAL_CONFIGS = [
     Config(True, MIB, 0.010, 0.30, node_local=True),
     Config(True, MIB // 4, 0.0, 0.20, node_local=True),
 ]
-NODE_LOCAL_KILLS_PER_DIR = 10
+
+
+@dataclass(frozen=True)
+class Aim:
+    """A kill at a stop point of the saver (saver.STOP_POINTS), in a save of a step with
+    ``step % mod == rem`` when ``step=(mod, rem)``: the child stops itself there."""
+
+    point: str
+    step: tuple[int, int] | None = None
+
+
+# Every save goes to the node-local tier, every third (step % 3 == 0) to storage too. Each
+# directory's kills cycle through: a random instant; in the node-local write of a step
+# storage does not take (so the newest committed step is the previous one, on the node-local
+# tier alone); in a file of the persistent write; just before the persistent commit's
+# rename (the node-local tier committed that step first). Every directory (sync and async
+# saves) gets each.
+NODE_LOCAL_AIMS = (None, Aim("node-local", (3, 2)), Aim("data"), Aim("commit"))
+NODE_LOCAL_KILLS_PER_DIR = 6   # 3 directories x 6 kills = 18 kills
 
 
 # --- the worker ----------------------------------------------------------------------------
@@ -219,28 +239,34 @@ class Directory:
         return committed, restored
 
 
-def kill_once(saver: Saver, d: Directory, delay: float, aim: str | None = None
+def kill_once(saver: Saver, d: Directory, delay: float, aim: Aim | None = None
               ) -> dict[str, Any]:
-    """One run killed ``delay`` seconds into its loop (with ``aim``: at the first moment
-    after that when its writer is in that phase). Into a directory that is still empty
-    after a first kill, the delay counts from the run's first commit: on a loaded machine a
-    save can outlast every delay drawn, and each run was killed before it committed
-    anything, leaving nothing for the checks to restore. A first kill still may land
-    before any commit, and checks that a restore then finds nothing."""
+    """One run killed ``delay`` seconds into its loop (with ``aim``: where the child stops
+    itself at that point, the first time after the delay). Into a directory that is still
+    empty after a first kill, the delay counts from the run's first commit: on a loaded
+    machine a save can outlast every delay drawn, and each run was killed before it
+    committed anything, leaving nothing for the checks to restore. A first kill still may
+    land before any commit, and checks that a restore then finds nothing."""
     d.work.mkdir(parents=True, exist_ok=True)
     answer = saver.run(url=d.url, storage_options=d.storage_options,
                        async_save=d.config.async_save, numel=d.config.numel,
                        train_s=d.config.train_s, keep_last=2, report=str(d.report),
                        error_file=str(d.errors), kill_after_s=delay,
-                       node_local=d.node_local, kill_in=aim,
+                       node_local=d.node_local, kill_in=aim and aim.point,
+                       kill_in_step=aim and aim.step,
                        from_first_commit=d.restored is None and d.runs > 0)
     d.runs += 1
     errors = d.errors.read_text() if d.errors.exists() else ""
     assert answer["signal"] == 9 and not answer["died_early"], (
         f"the child was not killed by us: {answer}\nchild errors:\n{errors}\n"
         f"saver log:\n{saver.log()}")
+    assert aim is None or answer["hit"], (
+        f"the child never reached {aim} within the saver's AIM_LIMIT_S: {answer}\n"
+        f"saver log:\n{saver.log()}")
     check_directory(d)
     answer["delay_s"] = delay
+    answer["aimed"] = aim
+    answer["kill"] = d.runs - 1   # this directory's n-th kill
     answer["restored_after"] = d.restored
     return answer
 
@@ -311,19 +337,19 @@ def summarise(title: str, answers: list[dict[str, Any]], dirs: list[Directory]) 
 
 
 def crash_loop(savers: list[Saver], dirs: list[Directory], kills_per_dir: int, seed: int,
-               aim: tuple[str, int] | None = None) -> list[dict[str, Any]]:
+               aims: tuple[Aim | None, ...] = (None,)) -> list[dict[str, Any]]:
     """``kills_per_dir`` kills into each directory, one after the other (each starts from
     what the previous left); the directories are shared out among the savers, which work
     at the same time. The kill instants are drawn first, directory by directory, so they
-    depend on the seed alone. With ``aim=(phase, n)`` every n-th kill waits, after its
-    instant, for the writer to be in that phase: a short phase that random instants can
-    all miss is still covered in every run. Answers come back in that order."""
+    depend on the seed alone. A directory's k-th kill is aimed at ``aims[k % len(aims)]``
+    (None: the random instant alone): a short phase that random instants can all miss is
+    still covered in every run. Answers come back in that order."""
     rng = random.Random(seed)
     delays = [[rng.uniform(0.0, d.config.max_delay_s) for _ in range(kills_per_dir)]
               for d in dirs]
 
-    def aimed(k: int) -> str | None:
-        return aim[0] if aim is not None and k % aim[1] == aim[1] - 1 else None
+    def aimed(k: int) -> Aim | None:
+        return aims[k % len(aims)]
 
     def one_saver(i: int) -> dict[int, list[dict[str, Any]]]:
         return {j: [kill_once(savers[i], dirs[j], delay, aimed(k))
@@ -362,17 +388,30 @@ def test_sigkill_during_saves_with_a_node_local_tier(savers: list[Saver],
     newest step of either (the machine's disk usually, as a restart in place does)."""
     dirs = [Directory(str(tmp_path / f"ckpt-{i}"), None, c, tmp_path / f"work-{i}")
             for i, c in enumerate(NODE_LOCAL_CONFIGS)]
-    # The persistent tier's data write is a few milliseconds in every third save, beside
-    # the node-local write of every save: every third kill is aimed at it.
-    answers = crash_loop(savers, dirs, NODE_LOCAL_KILLS_PER_DIR, SEED + 2, aim=("data", 3))
+    answers = crash_loop(savers, dirs, NODE_LOCAL_KILLS_PER_DIR, SEED + 2,
+                         aims=NODE_LOCAL_AIMS)
     places = summarise("node-local tier + local disk", answers, dirs)
-    assert len(answers) == 30
-    assert sum(n for k, n in places.items() if k.startswith("mid-save")) >= 10, places
-    assert places["mid-save: node-local"] >= 3 and places["mid-save: data"] >= 5, places
-    assert sum(a["restored_after"] is not None for a in answers) >= 20
-    # The node-local tier served restores: steps storage never got (every third goes there).
-    assert sum(1 for a in answers if a["restored_after"] is not None
-               and a["restored_after"] % 3) >= 1, [a["restored_after"] for a in answers]
+    assert len(answers) == len(dirs) * NODE_LOCAL_KILLS_PER_DIR
+    aimed = [a for a in answers if a["aimed"] is not None]
+    # Each phase is covered on every run: every aimed kill landed where it was aimed
+    # (kill_once checked that the child stopped there), whatever the load.
+    missed = [a for a in aimed if where(a) != f"mid-save: {a['aimed'].point}"]
+    assert not missed, missed
+    assert {where(a) for a in aimed} == {"mid-save: node-local", "mid-save: data",
+                                         "mid-save: commit"}, places
+    for a in aimed:
+        step = a["writing_step"]
+        if a["aimed"].point == "node-local":
+            # The node-local tier served the restore: the step before, which storage never
+            # got (every third step goes there), and nothing newer is committed anywhere.
+            assert step % 3 == 2 and a["restored_after"] == step - 1, a
+        else:
+            # Storage's write of the step was cut; the node-local tier had committed it.
+            assert step % 3 == 0 and a["restored_after"] == step, a
+    # Not vacuous: after every kill but a directory's first there was a commit to restore
+    # and check (kill_once counts those kills from the run's first commit).
+    assert all(a["restored_after"] is not None for a in answers if a["kill"]), \
+        [a["restored_after"] for a in answers]
 
 
 def test_sigkill_during_saves_gcs_emulator(savers: list[Saver], tmp_path: Path,

@@ -491,10 +491,18 @@ def test_three_workers_survive_every_kind_of_fault_in_one_run_and_end_bitwise(
     assert len(job["attempts"]) == 2, out[-3000:]
     assert out.count("emergency checkpoint of step") >= 2, out[-3000:]
     events = restores(faulted)
-    in_memory = [[e for e in events if e["generation"] == g and "attempt-1" in e["life"]]
-                 for g in (1, 2, 3, 4)]
+    # One in-process recovery per fault of the first attempt, each in a generation of its
+    # own, in the faults' order. Their numbers need not run 1 to 4: a generation whose mesh
+    # does not connect within form_timeout_s (15 s here, launch_job: a member that got no
+    # CPU for that long on loaded cores) is given up, and the ranks form the next one
+    # (distributed/group.py, _join_and_connect), so it has no restore at all; the first
+    # start, too, may be in generation 1. Every generation that restores does so on all 3.
+    recovered = [e for e in events if "attempt-1" in e["life"] and e["source"] != "none"]
+    generations = sorted({e["generation"] for e in recovered})
+    assert len(generations) == 4, (generations, job["recoveries"], events)
+    in_memory = [[e for e in recovered if e["generation"] == g] for g in generations]
     lost = ("workerpool1-1", "workerpool0-0", "workerpool1-0", "workerpool1-1")
-    for recovery, replica in zip(in_memory, lost):
+    for recovery, replica in zip(in_memory, lost, strict=True):
         assert len(recovery) == 3, (replica, job["recoveries"], events)
         assert {e["source"] for e in recovery} == {"peer"}, events   # every rank
         assert {e["step"] for e in recovery} == {recovery[0]["step"]}
@@ -511,6 +519,7 @@ def test_three_workers_survive_every_kind_of_fault_in_one_run_and_end_bitwise(
     retried = [e for e in events if "attempt-2" in e["life"]]
     assert len(retried) == 3 and {e["source"] for e in retried} == {"persistent"}, events
     assert len({e["step"] for e in retried}) == 1 and retried[0]["step"] >= 65, events
+    assert len({e["generation"] for e in retried}) == 1, retried
     # Read once: the primary reads the replicated file, each rank its own file only.
     storage = Storage(str(faulted / "output" / "checkpoints"))
     step = retried[0]["step"]
@@ -524,7 +533,7 @@ def test_three_workers_survive_every_kind_of_fault_in_one_run_and_end_bitwise(
     # The job record says the same, one entry per recovery, with what caused it.
     recoveries = job["recoveries"]
     assert [(r["attempt"], r["generation"]) for r in recoveries] == \
-        [(1, 1), (1, 2), (1, 3), (1, 4), (2, 0)]
+        [*((1, g) for g in generations), (2, retried[0]["generation"])], recoveries
     assert [r["fault"]["cause"] for r in recoveries] == \
         ["node_loss", "node_loss", "maintenance", "preemption", "internal"], recoveries
     for r in recoveries[:4]:

@@ -365,6 +365,29 @@ def test_a_first_start_that_restores_is_listed() -> None:
     assert (rec["attempt"], rec["generation"], rec["step"], rec["fault"]) == (1, 0, 500, None)
 
 
+def test_a_first_start_whose_forming_failed_once_is_no_recovery() -> None:
+    """Under load a member may not connect the mesh within form_timeout_s: the ranks give
+    generation 0 up and form generation 1 (distributed/group.py), and the job's first start
+    restores there, every rank afresh. It was listed as a recovery (no fault, step 0); a
+    later re-forming is, as ever."""
+    events = [_event(EventKind.EXITED, 10.0, replica=P1, exit_code=137, cause="node_loss"),
+              _event(EventKind.DECISION, 10.0, replica=P1, action="restart_worker",
+                     cause="node_loss")]
+
+    def life(replica: str, restart: int, *restores: tuple[float, int, int]) -> tuple[
+            TelemetryLife, LifeTelemetry]:
+        return (TelemetryLife(1, replica, restart, Path(f"{replica}.{restart}")),
+                LifeTelemetry((), (), tuple(
+                    Restore(T0 + t, step, "peer" if step else "none", None, g, 0.1, (), "")
+                    for t, g, step in restores)))
+
+    lives = [life(P0, 0, (1.0, 1, 0), (12.0, 2, 30)), life(P1, 0, (1.1, 1, 0)),
+             life(P1, 1, (12.1, 2, 30))]
+    recs = job_recoveries(lives, events, [P0, P1])
+    assert [(r["attempt"], r["generation"], r["step"], r["fault"]["replica"])
+            for r in recs] == [(1, 2, 30, P1)], recs
+
+
 def test_each_process_of_a_replica_is_its_own_rank_in_the_recovery(tmp_path: Path) -> None:
     """torchrun's processes on one machine share the replica's telemetry file: each of
     their restores is a rank of the recovery, named by its rank in the report, and the

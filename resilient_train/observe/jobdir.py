@@ -350,8 +350,9 @@ def job_recoveries(lives: Iterable[tuple[TelemetryLife, LifeTelemetry]],
                    events: Sequence[Event], replicas: Sequence[str],
                    first_attempt: int = 1) -> list[dict[str, Any]]:
     """The record's ``recoveries``: one entry per (attempt, generation, round) with restores,
-    in time order, except the job's first start (generation 0 of ``first_attempt`` with
-    every rank starting afresh). Pure: the telemetry and the events in, JSON out."""
+    in time order, except the job's first start (the first restores of ``first_attempt``,
+    every rank starting afresh: generation 0, or a later one where forming the group failed
+    first and the ranks formed the next). Pure: the telemetry and the events in, JSON out."""
     # Per recovery, per (replica, rank): the processes of a replica (torchrun on a
     # multi-GPU machine) share its telemetry, and each says where its own state came from.
     groups: dict[tuple[int, int, int], dict[tuple[str, int | None], Restore]] = {}
@@ -380,7 +381,7 @@ def job_recoveries(lives: Iterable[tuple[TelemetryLife, LifeTelemetry]],
     for key in sorted(groups, key=lambda k: (at_of[k], k)):
         attempt, generation, round_ = key
         by_rank, at = groups[key], at_of[key]
-        if attempt == first_attempt and generation == 0 and round_ == 0 and all(
+        if attempt == first_attempt and prev_at == -math.inf and round_ == 0 and all(
                 r.source == "none" for r in by_rank.values()):
             prev_at = at   # the job's first start: no recovery, but a bound for the next
             continue

@@ -5,25 +5,38 @@ object per line on stdin, answering one JSON line on stdout:
 
     {"cmd": "run", "url": ..., "storage_options": {...} | null, "async_save": bool,
      "numel": int, "train_s": float, "keep_last": int, "report": path, "error_file": path,
-     "kill_after_s": float, "node_local": path | null, "kill_in": writer phase | null,
-     "from_first_commit": bool}
+     "kill_after_s": float, "node_local": path | null, "kill_in": stop point | null,
+     "kill_in_step": [mod, rem] | null, "from_first_commit": bool}
         fork a child that restores the latest checkpoint (like a restarted job) and then
         loops: advance the model one step (crash_model), simulated compute (train_s),
         save the step. Once the child is in its loop, wait kill_after_s (the randomised
         kill instant the test drew; with ``from_first_commit``, counted from the child's
-        first commit instead), and, with ``kill_in``, then until the writer is in
-        that phase (an aimed kill: a phase a few milliseconds long that random instants
-        can miss), SIGKILL it, reap it, and answer
-        {"event": "killed", "signal": 9, "main": ..., "writer": ..., ...}
+        first commit instead), SIGKILL it, reap it, and answer
+        {"event": "killed", "signal": 9, "main": ..., "writer": ..., "aim": ...,
+         "hit": ..., ...}
         naming what the child was doing when it died.
+        With ``kill_in`` (an aimed kill) the parent does not guess the instant: after the
+        delay it arms that stop point in the shared page, and the child, the next time it
+        gets there (in a save of a step ``step % mod == rem`` with ``kill_in_step``),
+        stops itself: a SIGSTOP to the thread that got there, which stops at once, and
+        with it the process; the parent sees it stopped (waitpid WUNTRACED) and SIGKILLs
+        it there. The stop points (STOP_POINTS):
+        ``node-local``, a file of the node-local tier's save just opened; ``data``, a file
+        of the persistent tier's just opened; ``manifest``, ``marker``, before those are
+        written; ``commit``, before the rename that commits the step. ``hit`` says the
+        child stopped there (else, after AIM_LIMIT_S, it is killed wherever it is).
     {"cmd": "quit"}
 
 The child reports to ``report`` (appending, no fsync needed: SIGKILL keeps the page
 cache): ``restored <step|none>`` once, then ``committed <k>`` whenever the manager's
 last committed step changes after a ``save`` returns. Where it was when it died is kept in
 a shared memory page that the parent reads after the kill: ``main`` (restore / train /
-save) and ``writer`` (idle / data / manifest / marker / commit / retention). Forking a
-warm parent makes a kill cost tens of milliseconds instead of a fresh interpreter.
+save) and ``writer`` (idle / node-local / begin / data / manifest / marker / commit /
+retention). An unaimed kill is a random instant, and the phase it names is wherever the
+child happened to be, which depends on the machine's load; an aimed one lands at its stop
+point by construction (the parent does not read the phase and then send SIGKILL, a race
+with the child, which goes on meanwhile). Forking a warm parent makes a kill cost tens of
+milliseconds instead of a fresh interpreter.
 """
 
 from __future__ import annotations
@@ -35,6 +48,7 @@ import os
 import signal
 import struct
 import sys
+import threading
 import time
 import traceback
 from collections.abc import Callable
@@ -57,11 +71,15 @@ from resilient_train.checkpoint.tiers.nodelocal import NodeLocal
 MAIN_PHASES = ["start", "restore", "train", "save"]
 WRITER_PHASES = ["idle", "begin", "data", "manifest", "marker", "commit", "retention",
                  "node-local"]
-# Shared page: main phase (byte 0), writer phase (byte 1), step being written (8..16),
+# Where an aimed kill stops the child (see the module's docstring), by writer phase.
+STOP_POINTS = ("node-local", "data", "manifest", "marker", "commit")
+# Shared page: main phase (byte 0), writer phase (byte 1), the armed stop point (byte 2,
+# its WRITER_PHASES index; 0: none), whether the child stopped there (byte 3), the armed
+# step condition (bytes 4, 5: mod and rem; mod 0: any step), step being written (8..16),
 # saves started (16..24), last step reported committed (24..32, -1: none).
-_LAYOUT = struct.Struct("<BB6xqqq")
+_LAYOUT = struct.Struct("<BBBBBB2xqqq")
 READY_LIMIT_S = 120.0
-AIM_LIMIT_S = 30.0   # an aimed kill that finds no such phase in this long kills anyway
+AIM_LIMIT_S = 30.0   # an aimed kill whose stop point is not reached in this long kills anyway
 
 
 class Shared:
@@ -69,12 +87,34 @@ class Shared:
         self.page = mmap.mmap(-1, mmap.PAGESIZE)  # MAP_SHARED | MAP_ANONYMOUS: fork keeps it
 
     def reset(self) -> None:
-        _LAYOUT.pack_into(self.page, 0, 0, 0, -1, 0, -1)
+        _LAYOUT.pack_into(self.page, 0, 0, 0, 0, 0, 0, 0, -1, 0, -1)
 
     def read(self) -> dict[str, Any]:
-        main, writer, step, saves, committed = _LAYOUT.unpack_from(self.page, 0)
+        main, writer, _, hit, _, _, step, saves, committed = _LAYOUT.unpack_from(self.page, 0)
         return {"main": MAIN_PHASES[main], "writer": WRITER_PHASES[writer],
-                "writing_step": step, "saves_started": saves, "last_committed": committed}
+                "hit": bool(hit), "writing_step": step, "saves_started": saves,
+                "last_committed": committed}
+
+    def arm(self, point: str, step: tuple[int, int] | None) -> None:
+        """The parent's: stop the child at ``point`` (in a save of a step ``step % mod ==
+        rem`` with ``step=(mod, rem)``); the condition is in place before the point."""
+        assert point in STOP_POINTS, point
+        mod, rem = step or (0, 0)
+        self.page[4], self.page[5] = mod, rem
+        self.page[2] = WRITER_PHASES.index(point)
+
+    def reached(self, point: str) -> None:
+        """The child's, at each stop point: stop here, all threads, if the parent armed it."""
+        if self.page[2] != WRITER_PHASES.index(point):
+            return
+        mod, rem = self.page[4], self.page[5]
+        if mod and self.get_int(8) % mod != rem:
+            return
+        self.page[2], self.page[3] = 0, 1   # disarmed: one stop; the parent reads the hit
+        # To this thread: it stops before its next instruction, then the others. (Sent to
+        # the process, the kernel woke another thread to act on it, and this one ran on
+        # meanwhile: a rename stopped at "just before" went through, and retention after.)
+        signal.pthread_kill(threading.get_ident(), signal.SIGSTOP)
 
     def main(self, phase: str) -> None:
         self.page[0] = MAIN_PHASES.index(phase)
@@ -108,23 +148,42 @@ def _instrument(mgr: CheckpointManager, shared: Shared) -> None:
 
         setattr(obj, name, wrapper)
 
-    real_open_write = storage.open_write
+    def stop_in_files(tier: Any, point: str, phase: str | None) -> None:
+        """``tier``'s files being written: the phase (None: the caller's is kept), and the
+        stop point ``point`` as each file has just been opened (there, not yet whole)."""
+        real_open_write = tier.open_write
 
-    @contextlib.contextmanager
-    def open_write(rel: str, **kw: Any) -> Any:
-        shared.writer("data")
-        with real_open_write(rel, **kw) as f:
-            yield f
+        @contextlib.contextmanager
+        def open_write(rel: str, **kw: Any) -> Any:
+            if phase is not None:
+                shared.writer(phase)
+            with real_open_write(rel, **kw) as f:
+                shared.reached(point)
+                yield f
 
-    storage.open_write = open_write  # type: ignore[method-assign]
-    wrap(storage, "write_bytes", lambda rel, *a: shared.writer(
-        "marker" if rel.endswith(MARKER) else "manifest" if rel.endswith(MANIFEST) else "data"))
+        tier.open_write = open_write
+
+    stop_in_files(storage, "data", "data")
+
+    def write_bytes(rel: str, *a: Any) -> None:
+        phase = "marker" if rel.endswith(MARKER) else "manifest" if rel.endswith(
+            MANIFEST) else "data"
+        shared.writer(phase)
+        if phase != "data":
+            shared.reached(phase)
+
+    wrap(storage, "write_bytes", write_bytes)
     def fsync_dir(*a: Any) -> None:
         if shared.read()["writer"] != "retention":  # prune fsyncs too
             shared.writer("commit")
 
     wrap(storage, "fsync_dir", fsync_dir)
-    wrap(storage, "rename_dir", lambda *a: shared.writer("commit"))
+
+    def rename_dir(*a: Any) -> None:
+        shared.writer("commit")
+        shared.reached("commit")   # the rename is the commit: stopped just before it
+
+    wrap(storage, "rename_dir", rename_dir)
 
     def begin_write(step: int, *a: Any) -> None:
         shared.set_int(8, step)
@@ -135,6 +194,7 @@ def _instrument(mgr: CheckpointManager, shared: Shared) -> None:
         wrap(mgr._local, "write", lambda step, *a: (shared.set_int(8, step),
                                                      shared.writer("node-local")),
              lambda: shared.writer("idle"))
+        stop_in_files(mgr._local.storage, "node-local", None)
     wrap(mgr, "_apply_retention", lambda *a: shared.writer("retention"))
 
     def begin_save(*a: Any) -> None:
@@ -202,6 +262,17 @@ def _wait_alive(pid: int, until: Callable[[], bool], deadline: float) -> int | N
     return None
 
 
+def _wait_stopped(pid: int, deadline: float) -> int | None:
+    """Wait until the child stops itself at the armed stop point, or the deadline passes;
+    the child's wait status if it exited instead, else None (stopped, or still running)."""
+    while time.monotonic() < deadline:
+        done, status = os.waitpid(pid, os.WNOHANG | os.WUNTRACED)
+        if done:
+            return None if os.WIFSTOPPED(status) else status
+        time.sleep(0.0005)
+    return None
+
+
 def run(cmd: dict[str, Any], shared: Shared) -> dict[str, Any]:
     shared.reset()
     pid = os.fork()
@@ -222,11 +293,11 @@ def run(cmd: dict[str, Any], shared: Shared) -> dict[str, Any]:
         early = _wait_alive(pid, lambda: shared.read()["last_committed"] >= 0, deadline)
     if early is None:
         time.sleep(float(cmd["kill_after_s"]))  # the randomised kill instant
-        if cmd.get("kill_in"):
-            aim_deadline = time.monotonic() + AIM_LIMIT_S
-            while (shared.read()["writer"] != cmd["kill_in"]
-                   and time.monotonic() < aim_deadline):
-                time.sleep(0.0002)
+        if cmd.get("kill_in"):   # then the child's own stop at the point aimed at
+            step = cmd.get("kill_in_step")
+            shared.arm(cmd["kill_in"], None if step is None else (step[0], step[1]))
+            early = _wait_stopped(pid, time.monotonic() + AIM_LIMIT_S)
+    if early is None:
         os.kill(pid, signal.SIGKILL)
         _, status = os.waitpid(pid, 0)
     else:
@@ -235,7 +306,7 @@ def run(cmd: dict[str, Any], shared: Shared) -> dict[str, Any]:
     return {"event": "killed",
             "signal": os.WTERMSIG(status) if os.WIFSIGNALED(status) else None,
             "exit": os.WEXITSTATUS(status) if os.WIFEXITED(status) else None,
-            "died_early": early is not None, **state}
+            "died_early": early is not None, "aim": cmd.get("kill_in"), **state}
 
 
 def main() -> None:
