@@ -27,22 +27,17 @@ directory still empty count their instant from the run's first commit (``kill_on
 
 from __future__ import annotations
 
-import json
-import os
-import queue
 import random
-import subprocess
-import sys
-import threading
 from collections import Counter
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, Any
+from typing import Any
 
 import pytest
 from ckpt_workers import crash_model
+from warm import WarmProcess
 
 from resilient_train.checkpoint.commit.directory import scan, verify_step
 from resilient_train.checkpoint.manager import CheckpointManager, CheckpointOptions
@@ -126,59 +121,17 @@ NODE_LOCAL_KILLS_PER_DIR = 6   # 3 directories x 6 kills = 18 kills
 # --- the worker ----------------------------------------------------------------------------
 
 
-class Saver:
-    """The warm parent process; one JSON command in, one JSON answer out."""
+class Saver(WarmProcess):
+    """The warm parent process; one JSON command in, one JSON answer out. ``wait_ready``
+    waits for its imports (started first, several savers import torch at the same time)."""
 
     def __init__(self, log_path: Path) -> None:
-        """Starts the process; ``wait_ready`` waits for its imports (started first, several
-        savers import torch at the same time)."""
-        self.log_path = log_path
-        self._log = open(log_path, "wb")  # noqa: SIM115 - closed in stop()
-        env = dict(os.environ, GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT="false", PYTHONUNBUFFERED="1")
-        self.proc = subprocess.Popen([sys.executable, str(SAVER)], stdin=subprocess.PIPE,
-                                     stdout=subprocess.PIPE, stderr=self._log, env=env)
-        self._lines: queue.Queue[bytes] = queue.Queue()
-        assert self.proc.stdout is not None
-        threading.Thread(target=self._pump, args=(self.proc.stdout,), daemon=True).start()
-
-    def wait_ready(self) -> None:
-        assert self._answer()["event"] == "ready"
-
-    def _pump(self, out: IO[bytes]) -> None:
-        for line in out:
-            self._lines.put(line)
-        self._lines.put(b"")
-
-    def _answer(self) -> dict[str, Any]:
-        try:
-            line = self._lines.get(timeout=ANSWER_LIMIT_S)
-        except queue.Empty:
-            raise AssertionError(f"the saver did not answer within {ANSWER_LIMIT_S} s; "
-                                 f"its log: {self.log()}") from None
-        if not line:
-            raise AssertionError(f"the saver exited ({self.proc.wait()}); its log: {self.log()}")
-        return dict(json.loads(line))
-
-    def log(self) -> str:
-        self._log.flush()
-        return self.log_path.read_text(errors="replace")[-4000:]
+        super().__init__(SAVER, log_path, "the saver",
+                         env={"GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT": "false"},
+                         answer_limit_s=ANSWER_LIMIT_S)
 
     def run(self, **cmd: Any) -> dict[str, Any]:
-        assert self.proc.stdin is not None
-        self.proc.stdin.write((json.dumps({"cmd": "run", **cmd}) + "\n").encode())
-        self.proc.stdin.flush()
-        return self._answer()
-
-    def stop(self) -> None:
-        if self.proc.poll() is None and self.proc.stdin is not None:
-            try:
-                self.proc.stdin.write(b'{"cmd": "quit"}\n')
-                self.proc.stdin.close()
-                self.proc.wait(timeout=30)
-            except (OSError, subprocess.TimeoutExpired):
-                self.proc.kill()
-                self.proc.wait(timeout=30)
-        self._log.close()
+        return self.request({"cmd": "run", **cmd})
 
 
 # Warm parents killing into different directories at the same time: a kill costs mostly

@@ -18,18 +18,14 @@ injected hook raises a BaseException at that point instead. After every stop:
 from __future__ import annotations
 
 import json
-import os
-import queue
-import subprocess
-import sys
-import threading
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, Any
+from typing import Any
 
 import pytest
+from warm import WarmProcess
 
 from resilient_train.checkpoint.commit.directory import MARKER, prune, scan, verify_step
 from resilient_train.checkpoint.commit.manifest import FileEntry, Manifest, crc32c, parse_step
@@ -43,55 +39,18 @@ pytestmark = pytest.mark.slow
 DELETER = Path(__file__).parent / "ckpt_workers" / "deleter.py"
 FAST = RetryOptions(deadline_s=20.0, initial_s=0.01, max_wait_s=0.1)
 IN_FLIGHT = "feedface"   # the token of a live save (another job on the same directory)
-ANSWER_LIMIT_S = 60.0
 MAX_STOPS = 60
 
 
-class Deleter:
+class Deleter(WarmProcess):
     """The warm parent process: one JSON request in, one JSON answer out."""
 
     def __init__(self, log_path: Path) -> None:
-        self._log = open(log_path, "wb")  # noqa: SIM115 - closed in stop()
-        self.log_path = log_path
-        env = dict(os.environ, PYTHONUNBUFFERED="1")
-        self.proc = subprocess.Popen([sys.executable, str(DELETER)], stdin=subprocess.PIPE,
-                                     stdout=subprocess.PIPE, stderr=self._log, env=env)
-        self._lines: queue.Queue[bytes] = queue.Queue()
-        assert self.proc.stdout is not None
-        threading.Thread(target=self._pump, args=(self.proc.stdout,), daemon=True).start()
-        assert self._answer()["event"] == "ready"
-
-    def _pump(self, out: IO[bytes]) -> None:
-        for line in out:
-            self._lines.put(line)
-        self._lines.put(b"")
-
-    def _answer(self) -> dict[str, Any]:
-        try:
-            line = self._lines.get(timeout=ANSWER_LIMIT_S)
-        except queue.Empty:
-            raise AssertionError(f"the deleter did not answer within {ANSWER_LIMIT_S} s; "
-                                 f"its log: {self.log()}") from None
-        if not line:
-            raise AssertionError(f"the deleter exited ({self.proc.wait()}): {self.log()}")
-        return dict(json.loads(line))
-
-    def log(self) -> str:
-        self._log.flush()
-        return self.log_path.read_text(errors="replace")[-4000:]
+        super().__init__(DELETER, log_path, "the deleter")
+        self.wait_ready()
 
     def run(self, **request: Any) -> dict[str, Any]:
-        assert self.proc.stdin is not None
-        self.proc.stdin.write((json.dumps(request) + "\n").encode())
-        self.proc.stdin.flush()
-        return self._answer()
-
-    def stop(self) -> None:
-        assert self.proc.stdin is not None
-        self.proc.stdin.write(b'{"cmd": "quit"}\n')
-        self.proc.stdin.close()
-        self.proc.wait(timeout=30)
-        self._log.close()
+        return self.request(request)
 
 
 @pytest.fixture(scope="module")
