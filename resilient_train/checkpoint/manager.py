@@ -81,12 +81,12 @@ from .state.overrides import describe, overridden
 from .state.stepwrites import StepWrites, before_each_call, current_buffers, put_buffers
 from .storage.base import RetryOptions, Storage, format_bytes
 from .tiers import shards as shard_copies
-from .tiers.restored import Restored, RestoreRecord, bytes_read
 from .tiers.early import Early
 from .tiers.nodelocal import LocalTier, NodeLocal, PersistentCadence
 from .tiers.peers import PeerMemory, PeerRing, process_memory
 from .tiers.persistent import PersistentTier
 from .tiers.plan import Plan, Recovered, carry_out, loads_rank_state, plan
+from .tiers.restored import Restored, RestoreRecord, bytes_read
 from .transport.ringlink import RingLink, local_address, new_token
 
 log = logging.getLogger(__name__)
@@ -261,7 +261,6 @@ class CheckpointManager:
             self.storage, self.coord, self._sharded, self._gate,
             retention=self.options.retention, metadata=self.options.metadata,
             storage_options=self.options.storage_options)
-        self._token = self._persistent.token
         self.scheduler.start()
         self._tracked: dict[str, Any] = {}
         self.values: dict[str, Any] = {}
@@ -306,7 +305,8 @@ class CheckpointManager:
         self._local: LocalTier | None = None
         if self.options.node_local is not None:
             self._local = LocalTier(self.options.node_local, self.rank, self.world_size,
-                                    self._token, self._sharded, self.storage.url)
+                                    self._persistent.token, self._sharded,
+                                    self.storage.url)
         # Which saves go to the persistent tier too (every save without a node-local one).
         self._cadence = PersistentCadence(self.options.node_local, self.options.max_interval_s) \
             if self.options.node_local is not None else None

@@ -100,19 +100,13 @@ def _parse_duration() -> Callable[[str], float]:
     return parse_duration
 
 
-def _parse_grace() -> Callable[[str], float]:
-    """A SIGTERM-to-SIGKILL time: 0 leaves a worker no time to save (its emergency save
-    refuses a grace of 0 and exits 1), infinity never kills it."""
-    from ..launcher.chaos import parse_duration
+def _positive_duration(name: str, what: str) -> Callable[[str], Any]:
+    """An argparse type for a duration that must be more than 0 (and finite, as every
+    duration): ``name`` for argparse, ``what`` for the message (``a grace period``)."""
+    def parser() -> Callable[[str], float]:
+        return functools.partial(_parse_duration(), positive=True, what=what)
 
-    return functools.partial(parse_duration, positive=True, what="a grace period")
-
-
-def _parse_interval() -> Callable[[str], float]:
-    """How often to ask the service: 0 would ask without a pause."""
-    from ..launcher.chaos import parse_duration
-
-    return functools.partial(parse_duration, positive=True, what="an interval")
+    return _argument(parser, name)
 
 
 def _parse_memory() -> Callable[[str], int]:
@@ -122,8 +116,11 @@ def _parse_memory() -> Callable[[str], int]:
 
 
 _duration = _argument(_parse_duration, "duration")
-_grace = _argument(_parse_grace, "grace period")
-_interval = _argument(_parse_interval, "interval")
+# A SIGTERM-to-SIGKILL time: 0 leaves a worker no time to save (its emergency save refuses
+# a grace of 0 and exits 1), infinity never kills it.
+_grace = _positive_duration("grace period", "a grace period")
+# How often to ask the service: 0 would ask without a pause.
+_interval = _positive_duration("interval", "an interval")
 _memory = _argument(_parse_memory, "memory size")
 
 

@@ -144,11 +144,11 @@ def explain(message: str, root: str, doc: Mapping[str, Any] | None = None) -> st
         message_type, field = unknown.groups()
         fields = _AVAILABLE.search(reason)
         known = sorted(re.findall(r"'(\w+)'", fields.group(1))) if fields else []
-        from .errors import suggest_field as _suggest
+        from .errors import suggest_field
 
         where = f"{path}.{field}" if path else field
         return (f"{where}: unknown field (aiplatform_v1.{message_type} has no such field); "
-                f"{_suggest(field, set(known))}")
+                f"{suggest_field(field, set(known))}")
     reason = reason.split("\n")[0].rstrip(".").strip()
     return (f"{path or 'the top'}: refused by aiplatform_v1.{root}: {reason}; write it as "
             f"the API's JSON does")

@@ -33,8 +33,7 @@ from typing import Any
 from ..observe.jobdir import SECRET_MASK, mask_env
 from ..text import MAX_DURATION_S, MAX_DURATION_TEXT
 from . import aiplatform_types as platform_types
-from .errors import QUOTE_CHARS, JobSpecError
-from .errors import suggest_field as _suggest
+from .errors import QUOTE_CHARS, JobSpecError, suggest_field
 from .resources import MACHINE_TYPES, memory_limit_for
 from .rules import Strategy
 
@@ -672,7 +671,7 @@ class _Parser:
                 if key in ignored and report_ignored:
                     self.ignored.append(kpath)
                 continue
-            raise JobSpecError(f"{kpath}: unknown field; {_suggest(key, known)}")
+            raise JobSpecError(f"{kpath}: unknown field; {suggest_field(key, known)}")
         return raw
 
     def integer(self, value: Any, path: str, example: str) -> int:

@@ -392,7 +392,8 @@ class PersistentTier:
     def _share(self, name: str, manifest: Manifest, shared: dict[str, Any]
                ) -> dict[str, Any]:
         """The replicated state on every rank: read by the primary alone and streamed to
-        the others as it is read (transport/readonce.py); ``shared`` where this rank read it alone."""
+        the others as it is read (transport/readonce.py); ``shared`` where this rank read
+        it alone."""
         group = self._group()
         if group is None:
             return shared

@@ -140,7 +140,8 @@ class Recovered:
 
 
 class Holdings(Protocol):
-    """Where a rank's reported state is: memory (tiers/peers.py) or its disk (tiers/nodelocal.py)."""
+    """Where a rank's reported state is: memory (tiers/peers.py) or its disk
+    (tiers/nodelocal.py)."""
 
     where: str   # for a person: "memory", "node-local disk"
 
