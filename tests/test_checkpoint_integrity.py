@@ -604,7 +604,7 @@ def test_uncommitted_leftovers_older_than_latest_are_cleaned(backend: Backend) -
         mgr.save(1)
         st = mgr.storage
         old_other = _leftover(st, 2, "deadbeef")        # a crashed run's save of step 2
-        old_mine = _leftover(st, 2, mgr._token)         # this run's token: never touched
+        old_mine = _leftover(st, 2, mgr._persistent.token)  # this run's token: never touched
         newer_other = _leftover(st, 9, "cafebabe")      # not older than the latest commit
         names = set(st.listdir(""))
         assert {old_other, old_mine, newer_other} <= names
