@@ -455,7 +455,7 @@ def test_a_save_the_loop_waits_for_names_the_tiers_it_writes(tmp_path: Path) -> 
         for step, persistent, node_local in ((1, True, True), (2, False, True),
                                              (3, True, False)):
             mgr.save(step, persistent=persistent, node_local=node_local)
-            progress = mgr._progress_of_save()
+            progress = mgr._inflight.progress()
             seen.append((progress.what, progress.total))
             mgr.wait()
             assert progress.done() > 0   # its tiers' own counters moved

@@ -18,7 +18,7 @@ import torch
 import resilient_train as rt
 from resilient_train.checkpoint.state.overrides import overridden
 
-LOGGER = "resilient_train.checkpoint.manager"
+LOGGER = "resilient_train.checkpoint.state.tracked"   # where a restore loads
 Build = Callable[[torch.nn.Module], tuple[torch.optim.Optimizer, Any]]
 
 

@@ -134,9 +134,7 @@ def _instrument(mgr: CheckpointManager, shared: Shared) -> None:
     storage = mgr.storage
 
     def wrap(obj: Any, name: str, before: Any, after: Any = None) -> None:
-        real = getattr(obj, name, None)
-        if real is None:
-            return
+        real = getattr(obj, name)   # renamed: this must fail, not stop instrumenting
 
         def wrapper(*args: Any, **kwargs: Any) -> Any:
             before(*args)
@@ -185,17 +183,19 @@ def _instrument(mgr: CheckpointManager, shared: Shared) -> None:
 
     wrap(storage, "rename_dir", rename_dir)
 
-    def begin_write(step: int, *a: Any) -> None:
-        shared.set_int(8, step)
+    def begin_write(save: Any, *a: Any) -> None:
+        shared.set_int(8, save.step)
         shared.writer("begin")
 
-    wrap(mgr, "_write", begin_write, lambda: shared.writer("idle"))
-    if mgr._local is not None:   # the node-local tier's write (and commit), before storage's
-        wrap(mgr._local, "write", lambda step, *a: (shared.set_int(8, step),
-                                                     shared.writer("node-local")),
+    persistent = mgr._persistent
+    wrap(persistent, "write", begin_write, lambda: shared.writer("idle"))
+    local = next((t for t in mgr._tiers.tiers if t.name == "node-local"), None)
+    if local is not None:   # the node-local tier's write (and commit), before storage's
+        wrap(local, "write_step", lambda step, *a: (shared.set_int(8, step),
+                                                    shared.writer("node-local")),
              lambda: shared.writer("idle"))
-        stop_in_files(mgr._local.storage, "node-local", None)
-    wrap(mgr, "_apply_retention", lambda *a: shared.writer("retention"))
+        stop_in_files(local.storage, "node-local", None)
+    wrap(persistent, "_apply_retention", lambda *a: shared.writer("retention"))
 
     def begin_save(*a: Any) -> None:
         shared.set_int(16, shared.get_int(16) + 1)

@@ -435,14 +435,14 @@ def local_tier_full(ckpt: str, coord: Coordinator) -> dict[str, Any]:
     from resilient_train.checkpoint.storage.base import StorageFullError
     from resilient_train.checkpoint.tiers.nodelocal import LocalTier, NodeLocal
 
-    real = LocalTier.write
+    real = LocalTier.write_step
 
     def write(self: LocalTier, step: int, *args: Any) -> None:
         if RANK == 1 and step <= 3:
             raise StorageFullError("no space left on the device", free_bytes=0)
         real(self, step, *args)
 
-    LocalTier.write = write  # type: ignore[method-assign]
+    LocalTier.write_step = write  # type: ignore[method-assign]
     model, wrapped, opt = ddp_model(0)
     # An agreement at every step (sync_interval_s): the steps here take microseconds.
     mgr = CheckpointManager(ckpt, coordinator=coord, options=CheckpointOptions(

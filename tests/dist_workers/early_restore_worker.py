@@ -90,7 +90,7 @@ def main() -> None:
         if step + 1 == STEPS and rank == 0 and os.environ.get("FAIL_LAST_SAVE"):
             # The save before failed in the background, as when a peer is lost in its
             # collective: the next boundary raises it, and the step is done all the same.
-            mgr._error = ConnectionError("injected: the previous save lost a peer")
+            mgr._inflight.error = ConnectionError("injected: the previous save lost a peer")
             try:
                 mgr.maybe_save(step + 1)
             except Exception as exc:  # noqa: BLE001 - what ends this life

@@ -119,3 +119,21 @@ class CommitGate:
 def remaining(deadline: float) -> float:
     """Seconds to ``deadline`` (time.monotonic()), at least 0."""
     return max(0.0, deadline - time.monotonic())
+
+
+def abandoned_line(step: int, outcome: Outcome, is_primary: bool, last_commit: int | None,
+                   grace: Grace, budget: float, *, on_disk: bool) -> str:
+    """Why the emergency save of ``step`` was not committed, and what the latest is, for
+    the exit's line. ``on_disk``: the step is on this machine's node-local disk."""
+    before = "none" if last_commit is None else f"step {last_commit}"
+    if is_primary and outcome is Outcome.ABANDONED:
+        last = f"{before} stays the latest"
+    else:   # the primary commits: only it knows whether the marker lands
+        last = f"the latest is step {step} if its commit landed, else {before}"
+    local = f"; step {step} is on this machine's node-local disk" if on_disk else ""
+    spent = f"the grace period, {grace.describe()}, had " + (
+        f"{budget:.1f} s left for it" if budget > 0 else "no time left for it")
+    what = "was abandoned" if outcome is Outcome.ABANDONED else \
+        "was still committing at the deadline"
+    return (f"the checkpoint of step {step} {what}: not committed in time ({spent}); "
+            f"{last}{local}")

@@ -28,6 +28,10 @@ from .policies import SaveContext, SavePolicy
 
 log = logging.getLogger(__name__)
 
+# The tiers whose write times the node-local cadence weighs (nodelocal.PersistentCadence),
+# in the order of shared_tier_s.
+TIMED_TIERS = ("node-local", "persistent")
+
 
 class Decision(enum.Enum):
     SKIP = "skip"
@@ -111,11 +115,12 @@ class SaveScheduler:
         # The node-local tier's cadence (nodelocal.PersistentCadence): this rank's write
         # times per tier (EMAs, from the writer thread), the slowest rank's as agreed, and
         # the time between two saves on the agreed clock.
-        self._tier_s: list[float | None] = [None, None]     # node-local, persistent
+        self._tier_s: list[float | None] = [None] * len(TIMED_TIERS)
         self.shared_tier_s: tuple[float | None, float | None] = (None, None)
-        # This rank's last node-local save failed (a full disk); agreed: any rank's did,
-        # and every save goes to the persistent tier too until it works again.
-        self._local_failing = False
+        # The tiers whose last save on this rank failed, and the tier let it (a full
+        # node-local disk); agreed: any rank's did, and every save goes to the
+        # persistent tier too until they work again.
+        self._failing: set[str] = set()
         self.shared_local_failing = False
         self.save_interval: float | None = None
         self.next_sync_step = 0          # the step of the next agreement (0: the next one)
@@ -156,7 +161,7 @@ class SaveScheduler:
             emergency = self.watch.received
             self.sigterm_elapsed_s = self.watch.elapsed() or 0.0
             self.shared_tier_s = (self._tier_s[0], self._tier_s[1])
-            self.shared_local_failing = self._local_failing
+            self.shared_local_failing = bool(self._failing)
             cost = self.save_cost
             if now >= self._next_mtbf_read:   # a stat() per second, not per step
                 self._next_mtbf_read = now + self.sync_interval_s
@@ -192,7 +197,7 @@ class SaveScheduler:
         my_tiers = [-1 if t is None else int(t * 1000) for t in self._tier_s]
         now_ms, stride, sigterm_ms, cost_us, mtbf_ms, local_ms, persistent_ms, failing = \
             self.coord.allreduce_max([my_now, stride, my_sigterm, my_cost, my_mtbf, *my_tiers,
-                                      int(self._local_failing)])
+                                      int(bool(self._failing))])
         self.shared_local_failing = bool(failing)
         self.shared_tier_s = tuple(None if t < 0 else t / 1000.0   # type: ignore[assignment]
                                    for t in (local_ms, persistent_ms))
@@ -228,14 +233,17 @@ class SaveScheduler:
         """The job's observed MTBF, as agreed (None: not known)."""
         return self._shared_mtbf
 
-    def wrote(self, tier: int, seconds: float) -> None:
-        """The writer thread wrote a step to ``tier`` (0: node-local, 1: persistent)."""
-        old = self._tier_s[tier]
-        self._tier_s[tier] = seconds if old is None else 0.7 * old + 0.3 * seconds
-
-    def local_failing(self, failing: bool) -> None:
-        """The writer thread's last node-local save failed (True) or committed."""
-        self._local_failing = failing
+    def wrote(self, tier: str, seconds: float | None) -> None:
+        """The writer thread wrote a step to the tier named ``tier`` in ``seconds``; None:
+        the write failed, and the tier tolerated it (Tier.write returned False)."""
+        if seconds is None:
+            self._failing.add(tier)
+            return
+        self._failing.discard(tier)
+        if tier in TIMED_TIERS:
+            i = TIMED_TIERS.index(tier)
+            old = self._tier_s[i]
+            self._tier_s[i] = seconds if old is None else 0.7 * old + 0.3 * seconds
 
     def measured(self, cost_s: float) -> None:
         """What the save just taken blocked the training loop for."""

@@ -40,8 +40,9 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Mapping
-from dataclasses import dataclass
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, replace
 from typing import Any
 
 from ... import __version__
@@ -64,10 +65,14 @@ from ..commit.retention import RetentionPolicy
 from ..commit.sharded import ShardedCheckpointer
 from ..commit.stepwriter import StepWriter, state_bytes, write_torch_file
 from ..progress import Progress
-from ..schedule.policies import daly_interval
+from ..schedule.coordination import Coordinator
+from ..schedule.policies import PRIOR_MTBF_S, daly_interval, resolve_mtbf
+from ..schedule.scheduler import SaveScheduler
 from ..storage.base import RetryOptions, Storage, format_bytes
 from ..storage.errors import StorageError, StorageFullError
-from .plan import Plan, Report, dumps_rank_state
+from .tier import SaveRequest, TierDefaults
+from .plan import Plan, Report, carry_out, dumps_rank_state, plan
+from .restored import Restored, RestoreRecord, bytes_read
 
 log = logging.getLogger(__name__)
 
@@ -154,6 +159,16 @@ class PersistentCadence:
         self.ceiling_s = ceiling_s
         self.k = self.fixed or 1   # auto: the first save measures both tiers
         self.since = 0             # saves to the node-local tier only, since the last
+        # Read once, and only for an automatic K: it may read the launcher's failure log.
+        self._mtbf = resolve_mtbf() if self.fixed is None else (PRIOR_MTBF_S, "prior")
+
+    def due_now(self, sched: SaveScheduler) -> bool:
+        """Whether the save the scheduler just decided on goes to the persistent tier
+        too, on what the ranks agreed: every save while a machine's disk fails."""
+        if sched.shared_local_failing:
+            return True
+        mtbf = self._mtbf if sched.shared_mtbf is None else (sched.shared_mtbf, "observed")
+        return self.due(*sched.shared_tier_s, sched.policy_interval, mtbf)
 
     def due(self, local_s: float | None, persistent_s: float | None,
             interval_s: float | None, mtbf: tuple[float, str]) -> bool:
@@ -216,13 +231,26 @@ def partner_file(rank: int) -> str:
     return f"peer-rank{rank:05d}.pt"
 
 
-class LocalTier:
+# A partner's copy for a step: (the previous rank of the ring, its per-rank state), or None.
+PartnerCopy = Callable[[int], "tuple[int, dict[str, Any]] | None"]
+
+
+class LocalTier(TierDefaults):
     """This rank's node-local directory: its saves, its committed steps, its restore."""
 
-    def __init__(self, options: NodeLocal, rank: int, world_size: int, token: str,
-                 sharded: ShardedCheckpointer, checkpoint_url: str) -> None:
+    name = "node-local"
+
+    def __init__(self, options: NodeLocal, coord: Coordinator, token: str,
+                 sharded: ShardedCheckpointer, checkpoint_url: str, *,
+                 newest: Callable[[], int | None], partner: PartnerCopy,
+                 ceiling_s: float | None) -> None:
         self.options = options
-        self.rank, self.world_size = rank, world_size
+        self.coord = coord
+        rank, world_size = self.rank, self.world_size = coord.rank, coord.world_size
+        self._newest = newest     # the persistent tier's newest committed step (a listing)
+        self._partner = partner   # the ring's copy of the previous rank's state
+        # Which saves go to the persistent tier too (the manager asks it before a save).
+        self.cadence = PersistentCadence(options, ceiling_s)
         # Written into each copy's manifest; a copy that names another is not restored.
         self.owner = run_owner(checkpoint_url)
         self._named: set[str] = set()   # other runs' copies warned about already
@@ -259,8 +287,73 @@ class LocalTier:
     def url(self) -> str:
         return self.storage.url
 
-    def write(self, step: int, snap: Mapping[str, Any],
-              partner: tuple[int, dict[str, Any]] | None = None) -> None:
+    # --- the tier interface (base.Tier) -------------------------------------------------
+
+    def takes(self, save: SaveRequest) -> bool:
+        return save.node_local and not save.sharded   # sharded: DCP writes to storage only
+
+    def needs_shared(self, save: SaveRequest) -> bool:
+        return True   # every machine's copy is complete
+
+    def write(self, save: SaveRequest, snap: dict[str, Any],
+              ready: Callable[[], None]) -> bool:
+        ready()   # the snapshot's deferred copies (an overlapped snapshot)
+        return self.save(save.step, snap, self._partner(save.step))
+
+    def restore(self, sharded: bool, reason: str) -> Restored | str:
+        """From the machines' disks by plan (plan.py): the newest step, no older than the
+        persistent tier's newest, that every rank can get from its own disk or another
+        rank's; else why not."""
+        coord = self.coord
+        newest = coord.broadcast(self._newest() if self.rank == 0 else None)
+        reports = coord.allgather(self.report(newest))
+        bad: set[int] = set()
+        while True:
+            usable = [replace(r, replicated=tuple(s for s in r.replicated if s not in bad),
+                              own=tuple(s for s in r.own if s not in bad),
+                              held=tuple(s for s in r.held if s not in bad)) for r in reports]
+            the_plan = plan(usable, where="on the machines' disks",
+                            nothing="a fresh start, or every machine is new")
+            if not isinstance(the_plan, Plan):
+                if bad:   # what was there did not verify: say that, not "nothing there"
+                    return (f"the node-local copy of step(s) "
+                            f"{', '.join(map(str, sorted(bad)))} does not verify on some rank")
+                return the_plan.reason
+            holdings = None
+            try:
+                holdings = self.holdings(the_plan)
+            except CorruptCheckpointError as exc:
+                log.warning("node-local checkpoint of step %d does not verify: %s",
+                            the_plan.step, exc)
+            # Every rank's part verified, or this step is skipped by all (no transfer waits
+            # on a rank that could not read its part).
+            if coord.allreduce_max([0 if holdings else 1])[0] or holdings is None:
+                bad.add(the_plan.step)
+                continue
+            got = carry_out(the_plan, holdings, self.rank, getattr(coord, "main_group", None))
+            break
+        # Saves since the last persistent one, alike on every rank (they must all decide
+        # alike which save goes to storage): the holder's, up to the restored step.
+        since = sum(1 for s in reports[the_plan.holder].own
+                    if s <= got.step and (newest is None or s > newest))
+        record = RestoreRecord(
+            step=got.step, source=self.name, seconds=0.0,
+            bytes_read=bytes_read(node_local=self.read_bytes, peer=got.nbytes),
+            from_rank=got.from_rank, where=self.url, reason=reason)
+        machine = "" if got.from_rank is None else f" (rank {got.from_rank}'s machine)"
+        return Restored(record, step=got.step, shared=got.shared, mine=got.mine,
+                        last_commit=newest,
+                        save_point=(got.step, holdings.created or time.time()),
+                        message=f"restored checkpoint step {got.step} from the node-local "
+                                f"tier{machine}", since_persistent=since)
+
+    def restored(self, got: Restored) -> None:
+        self.cadence.since = got.since_persistent
+
+    # --- this machine's directory -------------------------------------------------------
+
+    def write_step(self, step: int, snap: Mapping[str, Any],
+                   partner: tuple[int, dict[str, Any]] | None = None) -> None:
         """Write and commit ``snap`` (``shared`` and ``rank``) as ``step``, with
         ``partner``'s (rank, per-rank state) when the ring gave one, then prune."""
         work = self.committer.work_dir(step)
@@ -284,11 +377,11 @@ class LocalTier:
 
     def save(self, step: int, snap: Mapping[str, Any],
              partner: tuple[int, dict[str, Any]] | None = None) -> bool:
-        """:meth:`write`, and whether it committed. A failure only warns: the scheduler
+        """:meth:`write_step`, and whether it committed. A failure only warns: the scheduler
         then sends every save to the persistent tier too until a node-local one works
         again, so a full or broken disk never leaves the job with fewer checkpoints."""
         try:
-            self.write(step, snap, partner)
+            self.write_step(step, snap, partner)
         except Exception as exc:
             self._failed(step, exc, snap)
             return False

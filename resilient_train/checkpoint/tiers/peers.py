@@ -37,6 +37,7 @@ travels as a weights-only skeleton and raw tensors (transport/transfer.py).
 from __future__ import annotations
 
 import logging
+import os
 import pickle
 import weakref
 from collections.abc import Callable, Mapping
@@ -47,11 +48,15 @@ from ...lifecycle import said, say_once
 from ..state.capture import rng_fingerprint, tree_map_tensors, tree_nbytes
 from ..state.stepwrites import StepWrites, buffers_print
 from ..storage.base import format_bytes
-from ..transport.ringlink import Frame, RingLink
+from ..schedule.coordination import Coordinator
+from ..transport.ringlink import Frame, RingLink, local_address, new_token
 from .plan import Plan, Recovered, Report, carry_out, dumps_rank_state, loads_rank_state
 
 log = logging.getLogger(__name__)
 
+# How long a ring neighbour may take to connect, or to send its state at a step: as long
+# as a collective may take (DistributedOptions.collective_timeout_s's default).
+RING_TIMEOUT_S = 600.0
 # A rank's own state larger than this is named once: the ring pickles and sends it every
 # step (a loss history kept in ctx.values grows it, and the step's cost, without end).
 LARGE_RANK_STATE = 1 << 20
@@ -310,6 +315,14 @@ class PeerRing:
         m.drop_replicated()
         return got
 
+    def partner_copy(self, step: int) -> tuple[int, dict[str, Any]] | None:
+        """The previous rank's per-rank state of ``step`` that the ring gave this rank,
+        for its machine's copy (nodelocal.py); None without one."""
+        payload = self.memory.partner.get(step)
+        if payload is None or self.memory.partner_rank is None:
+            return None
+        return self.memory.partner_rank, loads_rank_state(payload)
+
     def restored(self, step: int, rank_state: Mapping[str, Any]) -> None:
         """Step ``step`` is loaded (from peers or storage): the boundary that a hand-over
         before the next step compares to, with this rank's state as it is now."""
@@ -318,6 +331,22 @@ class PeerRing:
         self.memory.keep_own(step, dumps_rank_state(rank_state))
         self.writes.boundary()
         self._done = self._sent_for = step
+
+
+def connect_ring(coord: Coordinator, memory: PeerMemory, tracked: Mapping[str, Any], *,
+                 wanted: bool, undo_torn_steps: bool) -> PeerRing | None:
+    """This life's ring, where ``wanted`` and there are peers: a collective, every rank
+    connects to its ring neighbours (transport/ringlink.py)."""
+    group = getattr(coord, "main_group", None)
+    if not wanted or coord.world_size == 1 or group is None:
+        return None
+    link = RingLink.connect(
+        coord.rank, coord.world_size, coord.allgather,
+        local_address(os.environ.get("MASTER_ADDR", "127.0.0.1"),
+                      int(os.environ.get("MASTER_PORT", "0") or 0)),
+        coord.broadcast(new_token()), timeout_s=RING_TIMEOUT_S)
+    return PeerRing(coord.rank, coord.world_size, group, link, memory,
+                    StepWrites(tracked, before_step=undo_torn_steps))
 
 
 def _say_changed(rank: int, step: int, early: Mapping[str, Any],

@@ -53,6 +53,7 @@ from ..schedule.coordination import Coordinator
 from ..schedule.emergency import CommitGate
 from ..storage.base import Storage, format_bytes, free_bytes, is_no_space
 from ..transport.readonce import read_once
+from .tier import SaveRequest
 from .restored import Restored, RestoreRecord, bytes_read
 
 log = logging.getLogger(__name__)
@@ -95,16 +96,27 @@ class PersistentTier:
 
     # --- saving -------------------------------------------------------------------------
 
-    def write(self, step: int, snap: dict[str, Any], ready: Callable[[], None]) -> None:
+    def takes(self, save: SaveRequest) -> bool:
+        return save.persistent
+
+    def needs_shared(self, save: SaveRequest) -> bool:
+        return self.is_primary   # the primary writes the replicated state
+
+    def write(self, save: SaveRequest, snap: dict[str, Any],
+              ready: Callable[[], None]) -> bool:
         """Writer thread: write this rank's files, hand them to the primary, which commits
         the step or, if any rank failed, discards it and raises why. ``ready`` waits for
         the snapshot's deferred copies; its failure is this rank's, reported like a write's."""
+        step = save.step
+        if not self.is_primary:   # the primary's alone (another tier may need this one's)
+            snap = {k: v for k, v in snap.items() if k != "shared"}
         work = self.committer.work_dir(step)
         if self.committer.already_committed(work):
             log.info("checkpoint step %d is already committed; not saving it again", step)
-            return
+            return True
         with self.committer.hold(work):
             self._write_held(step, snap, work, ready)
+        return True
 
     def _write_held(self, step: int, snap: dict[str, Any], work: str,
                     ready: Callable[[], None]) -> None:
@@ -222,7 +234,10 @@ class PersistentTier:
         return max((i.step for i in scan(self.storage, with_manifest=False) if i.committed),
                    default=None)
 
-    def restore(self, reason: str) -> Restored:
+    def begin_restore(self) -> None:
+        return None   # reads and a broadcast would compete with the model's build
+
+    def restore(self, sharded: bool, reason: str) -> Restored:
         """A collective: the newest committed step that verifies on every rank (each
         rank's own file, and the replicated state read once, by the primary, and streamed
         to the others), or a fresh start. ``reason``: why no faster tier served."""
@@ -412,3 +427,9 @@ class PersistentTier:
         self.last_commit_step = got.last_commit
         if got.record.source == self.name:
             self.known.restored = got.name
+
+    def hand_over(self, step: int) -> None:
+        return None   # what it holds outlives the process
+
+    def close(self) -> None:
+        return None

@@ -55,7 +55,11 @@ class Restored:
     last_commit: int | None             # the persistent tier's newest committed step
     save_point: tuple[int | None, float]   # (step, time) the save policy counts from
     # Puts what ``shared`` cannot carry (a sharded model's DCP state) into the tracked
-    # objects, given them and ``strict``; None: nothing.
+    # objects, or takes the restored step as its own (the peers' memory), given them and
+    # ``strict``; None: nothing.
     load: Callable[[Mapping[str, Any], bool], None] | None = None
     message: str = ""                   # the log line that says where it came from
     name: str = ""                      # the step's directory in its tier, where it has one
+    # Saves since the last one that reached the persistent tier (the node-local cadence
+    # counts on from it, alike on every rank).
+    since_persistent: int = 0
