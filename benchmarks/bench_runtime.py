@@ -18,7 +18,6 @@ import time
 from pathlib import Path
 
 import resilient_train as rt
-from resilient_train import runtime
 from resilient_train.observe.telemetry import TELEMETRY_ENV
 
 RESULTS = Path(__file__).parent / "results" / "runtime.json"
@@ -52,13 +51,12 @@ def main() -> None:
                 out[phase[0]].append((time.perf_counter() - t0) / args.steps)
                 # A second loop in a life goes on from where the first ended: start over.
                 ctx.step = 0
-                ctx.checkpoints.last_saved_step = None
+                ctx.checkpoints.scheduler.last_save_step = None
 
         os.environ.pop(TELEMETRY_ENV, None)
         loop()
-        # As under the launcher: the process-wide telemetry is created on first use.
+        # As under the launcher: each rt.main call's telemetry is created on first use.
         os.environ[TELEMETRY_ENV] = os.path.join(tmp, "telemetry", "bench")
-        runtime._telemetry.cache_clear()
         phase[0] = "ctx.steps+telemetry"
         out["bare"].clear()
         loop()

@@ -242,7 +242,7 @@ def _reads_batches(dataset: Any) -> bool:
 def _say_if_untracked(rank: int) -> None:
     """A ResumableLoader iterated under ``rt.main`` but not tracked: its position is in no
     checkpoint. Said once per process, by rank 0."""
-    if lifecycle.current() is None:
+    if lifecycle.running_context() is None:
         return
     say_once(
         log, "untracked loader", logging.WARNING if rank == 0 else logging.DEBUG,

@@ -35,10 +35,9 @@ if TYPE_CHECKING:  # torch-heavy: loaded when a training script builds them
 
 log = logging.getLogger(__name__)
 
-@functools.cache
 def _telemetry() -> Telemetry | None:
-    """One per process, shared by its lives (in-process recoveries)."""
-    return Telemetry.from_env()
+    """One per process, shared by its lives (in-process recoveries): kept by their loop."""
+    return lifecycle.current().kept("telemetry", Telemetry.from_env)
 
 R = TypeVar("R")
 
@@ -494,7 +493,7 @@ def _raised_in_data_loading(exc: BaseException) -> bool:
 def _life(fn: Callable[..., R], group: Any, options: MainOptions, args: tuple[Any, ...],
           kwargs: dict[str, Any]) -> R:
     ctx = Context(group, options)
-    with lifecycle.running(ctx):
+    with lifecycle.current().running(ctx):
         return _live(ctx, fn, args, kwargs)
 
 
@@ -615,7 +614,9 @@ def main(fn: Callable[..., R] | None = None, *,
             # SIGTERM before the checkpoint manager exists (forming the group) or between
             # two lives (re-forming it): the waits for peers leave, with exit 134.
             saves = bool(opts.checkpoint_options().save_on_sigterm)
-            with sigterm.noted(saves):
+            # What outlives each life (the peers' memory, telemetry, the life running):
+            # this call's own, handed to every life it runs.
+            with lifecycle.Lifecycle().installed(), sigterm.noted(saves):
                 group = init_distributed(opts.distributed)
                 try:
                     with group, sigterm.ctrl_c_saves(saves and _alone_at_a_terminal(group)):

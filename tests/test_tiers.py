@@ -4,6 +4,7 @@ order (fastest first, each faster tier saying why it could not serve)."""
 from __future__ import annotations
 
 import copy
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -35,7 +36,7 @@ class ShelfTier(TierDefaults):
               ready: Callable[[], None]) -> bool:
         ready()
         self.shelf[save.step] = copy.deepcopy({"shared": snap["shared"], "rank": snap["rank"],
-                                               "at": save.at})
+                                               "at": time.time()})
         return True
 
     def restore(self, sharded: bool, reason: str) -> Restored | str:

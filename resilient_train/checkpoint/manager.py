@@ -78,8 +78,7 @@ class CheckpointManager:
         self.scheduler = SaveScheduler(opts.save_policy(), self.coord, watch, clock=clock,
                                        sync_interval_s=opts.sync_interval_s)
         self._sharded = ShardedCheckpointer(self.coord)  # FSDP2 / DTensor state: commit/sharded.py
-        # SIGTERM: the gate that refuses a commit after the emergency save's deadline.
-        self._gate = CommitGate()
+        self._gate = CommitGate()   # refuses a commit after SIGTERM's save's deadline
         # The checkpoint directory (after the policy agreement: see its constructor).
         self._persistent = PersistentTier(
             self.storage, self.coord, self._sharded, self._gate, retention=opts.retention,
@@ -92,8 +91,7 @@ class CheckpointManager:
         self.last_blocking_s = 0.0
         # What this process keeps across lives (tiers/peers.py).
         self._memory = peer_memory or process_memory()
-        # Objects built outside the training function, which the next life trains on.
-        self._kept = KeptObjects(self._tracked, self._memory, self.rank)
+        self._kept = KeptObjects(self._tracked, self._memory, self.rank)   # a later life's
         # The peers' memory and the machine's disk, as asked (a collective: the ring
         # that carries each rank's own state to the next one every step connects).
         fast = fast_tiers(opts, self.coord, self._memory, self._tracked,
@@ -120,10 +118,6 @@ class CheckpointManager:
     def last_commit_step(self) -> int | None:
         """The newest step committed to the checkpoint directory, as this life knows it."""
         return self._persistent.last_commit_step
-
-    @last_commit_step.setter
-    def last_commit_step(self, step: int | None) -> None:
-        self._persistent.last_commit_step = step
 
     @property
     def writer(self) -> StepWriter:
@@ -163,9 +157,8 @@ class CheckpointManager:
 
     def track(self, **objects: Any) -> None:
         """Objects with ``state_dict``/``load_state_dict`` (model, optimizer, scheduler,
-        scaler), replicated on every rank; the primary writes them. A model compiled or
-        wrapped (DDP) is tracked as the module underneath, so that its checkpoint's keys do
-        not depend on the wrapping (state.unwrap_model)."""
+        scaler), replicated on every rank; the primary writes them. A compiled or wrapped
+        (DDP) model is tracked as the module underneath (state/tracked.py)."""
         self._state.add(**objects)
         self._advice.tracked()
         self._kept.tracked()
@@ -184,9 +177,8 @@ class CheckpointManager:
 
     def _step_begins(self, optimizer: bool) -> None:
         """A tracked optimizer's (or GradScaler's) step begins: the ring's exchange, once
-        per step; then, before an optimizer step, wait for the snapshot of a save that may
-        still be copying what the step overwrites (a failed copy is the save's failure:
-        the writer raises it, not the training step)."""
+        per step; before an optimizer step, the snapshot of a save that may still copy
+        what it overwrites (its failure is the save's, raised by the writer)."""
         if self._ring is not None:
             self._ring.send_early(self._state.rank_state)
             if optimizer:   # after the exchange: one that failed began no step
@@ -246,8 +238,7 @@ class CheckpointManager:
         tree: dict[str, Any] = {"rank": self._state.rank_state()}
         staged = self._sharded.stage(self._tracked)  # None unless some state is a DTensor
         save, tiers = self._tiers.taking(SaveRequest(
-            step, at=0.0, persistent=persistent,   # at: once it starts
-            node_local=node_local, sharded=staged is not None))
+            step, persistent=persistent, node_local=node_local, sharded=staged is not None))
         if self._cadence is not None:
             self._cadence.saved(save.persistent)
         if any(t.needs_shared(save) for t in tiers):
@@ -263,7 +254,6 @@ class CheckpointManager:
         if staged is not None:
             snap["dcp"] = staged  # already a host copy: DCP's stager made it
         self.scheduler.saving(step)
-        save = replace(save, at=self.scheduler.save_point[1])   # the agreed clock's
         # Its size, for the progress lines, is summed only if the loop waits for it. A
         # sharded save's total is DCP's to know.
         self._inflight.begin(step, [t.storage for t in tiers if t.storage is not None],

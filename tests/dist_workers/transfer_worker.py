@@ -19,6 +19,7 @@ from resilient_train.checkpoint.commit.manifest import FileEntry, crc32c
 from resilient_train.checkpoint.storage.base import Storage
 from resilient_train.checkpoint.tiers.plan import Plan, carry_out, dumps_rank_state
 from resilient_train.checkpoint.transport import readonce, transfer
+from resilient_train.checkpoint.transport.channel import GroupTransport
 from resilient_train.checkpoint.transport.transfer import recv_tree, send_tree
 
 
@@ -120,7 +121,7 @@ def by_plan(rank: int) -> list[str]:
         transfer._payload = held
     the_plan = Plan(step=5, holder=0, needs_state=(2,), rank_source={0: 0, 1: 1, 2: 2},
                     save_point=(None, 0.0), last_commit=None)
-    got = carry_out(the_plan, Memory(), rank, None)
+    got = carry_out(the_plan, Memory(), rank, GroupTransport(None))
     assert all(torch.equal(got.shared[k], v) for k, v in halves().items())
     return lines
 

@@ -39,12 +39,12 @@ def kill_in_transfers(spec: str, marks: str) -> None:
     import signal
 
     from resilient_train.checkpoint.tiers import peers
-    from resilient_train.checkpoint.tiers import plan as recovery_plan
+    from resilient_train.checkpoint.transport.channel import GroupTransport
 
     roles = {role: int(step) for role, step in (x.split(":") for x in spec.split(","))}
     planned = [0]
-    real_carry, real_send, real_recv = (recovery_plan.carry_out, recovery_plan.send_tree,
-                                        recovery_plan.recv_tree)
+    real_carry, real_send, real_recv = (peers.carry_out, GroupTransport.send_tree,
+                                        GroupTransport.recv_tree)
 
     def due(role: str) -> bool:
         mark = os.path.join(marks, role)
@@ -62,25 +62,25 @@ def kill_in_transfers(spec: str, marks: str) -> None:
         planned[0] = the_plan.step
         return real_carry(the_plan, *args)
 
-    def send_tree(tree, dst, group, progress=None):
+    def send_tree(self, tree, dst, progress=None):
         if due("sender"):
             import torch.distributed as dist
-            dist.send(torch.tensor([1 << 20], dtype=torch.int64), dst, group=group)
+            dist.send(torch.tensor([1 << 20], dtype=torch.int64), dst, group=self.group)
             die()
-        return real_send(tree, dst, group, progress)
+        return real_send(self, tree, dst, progress)
 
     restarted = os.environ.get("RESILIENT_TRAIN_RESTART_COUNT", "0") != "0"
 
-    def recv_tree(src, group, progress=None):
+    def recv_tree(self, src, progress=None):
         # The receiver that dies is a restarted process (not a survivor a step ahead).
         if restarted and due("receiver"):
             import torch.distributed as dist
-            dist.recv(torch.zeros(1, dtype=torch.int64), src, group=group)
+            dist.recv(torch.zeros(1, dtype=torch.int64), src, group=self.group)
             die()
-        return real_recv(src, group, progress)
+        return real_recv(self, src, progress)
 
     peers.carry_out = carry_out
-    recovery_plan.send_tree, recovery_plan.recv_tree = send_tree, recv_tree
+    GroupTransport.send_tree, GroupTransport.recv_tree = send_tree, recv_tree
 
 
 if os.environ.get("PEER_DDP_KILL_IN_TRANSFER"):

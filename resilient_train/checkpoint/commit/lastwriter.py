@@ -29,7 +29,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from ...cluster import JOB_ID_ENV
-from ...lifecycle import say_once
+from ...lifecycle import current, say_once
 from ..storage.base import RetryOptions, Storage
 from ..storage.errors import StorageNotFoundError
 
@@ -38,9 +38,6 @@ log = logging.getLogger(__name__)
 RECORD = ".rt-last-writer.json"
 _RETRY = RetryOptions(deadline_s=5.0, max_wait_s=1.0)
 
-# What each job's process saw last, per directory: a life's manager is new, the process is
-# not (a life restored from peers reads no storage, and its first commit must still compare).
-_SEEN: dict[tuple[str, str], Writer | None] = {}
 
 
 @dataclass(frozen=True)
@@ -68,10 +65,17 @@ class WriterWatch:
             self._opened = Storage(self._url, retry=_RETRY, storage_options=self._options)
         return self._opened
 
+    @staticmethod
+    def _seen() -> dict[tuple[str, str], Writer | None]:
+        """What each job's process saw last, per directory: a life's manager is new, the
+        process is not (a life restored from peers reads no storage, and its first commit
+        must still compare). Kept by the lives' owner (lifecycle.py)."""
+        return current().kept("last writers seen", dict)
+
     def looked(self) -> None:
         """A restore from storage: note who committed here last."""
         if self._job is not None:
-            _SEEN[self._url, self._job] = self._read()
+            self._seen()[self._url, self._job] = self._read()
 
     def committed(self, step: int) -> None:
         """After a commit of ``step``: name another job that committed here since this
@@ -80,7 +84,8 @@ class WriterWatch:
             return
         url, key = self._url, (self._url, self._job)
         now = self._read()
-        if key in _SEEN and now is not None and now.job != self._job and now != _SEEN[key]:
+        seen = self._seen()
+        if key in seen and now is not None and now.job != self._job and now != seen[key]:
             say_once(log, f"another writer {url} {now.job}", logging.WARNING,
                      "checkpoint directory %s: job %s committed step %d there since this job "
                      "(%s) last looked. Two jobs that save into one directory restore each "
@@ -93,7 +98,7 @@ class WriterWatch:
         except Exception as exc:   # advice only: the step is committed
             log.debug("could not write %s: %s", RECORD, exc)
             return
-        _SEEN[key] = mine
+        seen[key] = mine
 
     def _read(self) -> Writer | None:
         try:   # one request: a missing record is the read's not-found

@@ -71,6 +71,7 @@ from ..schedule.scheduler import SaveScheduler
 from ..storage.base import RetryOptions, Storage, format_bytes
 from ..storage.errors import StorageError, StorageFullError
 from .tier import SaveRequest, TierDefaults
+from ..transport.channel import GroupTransport
 from .plan import Plan, Report, carry_out, dumps_rank_state, plan
 from .restored import Restored, RestoreRecord, bytes_read
 
@@ -330,7 +331,8 @@ class LocalTier(TierDefaults):
             if coord.allreduce_max([0 if holdings else 1])[0] or holdings is None:
                 bad.add(the_plan.step)
                 continue
-            got = carry_out(the_plan, holdings, self.rank, getattr(coord, "main_group", None))
+            got = carry_out(the_plan, holdings, self.rank,
+                            GroupTransport(getattr(coord, "main_group", None)))
             break
         # Saves since the last persistent one, alike on every rank (they must all decide
         # alike which save goes to storage): the holder's, up to the restored step.

@@ -44,11 +44,12 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from ...lifecycle import said, say_once
+from ...lifecycle import current, said, say_once
 from ..state.capture import rng_fingerprint, tree_map_tensors, tree_nbytes
 from ..state.stepwrites import StepWrites, buffers_print
 from ..storage.base import format_bytes
 from ..schedule.coordination import Coordinator
+from ..transport.channel import GroupTransport
 from ..transport.ringlink import Frame, RingLink, local_address, new_token
 from .plan import Plan, Recovered, Report, carry_out, dumps_rank_state, loads_rank_state
 
@@ -168,12 +169,10 @@ class MemoryHoldings:
         return self.memory.own[step] if own else self.memory.partner[step]
 
 
-_MEMORY = PeerMemory()
-
-
 def process_memory() -> PeerMemory:
-    """The process's one PeerMemory: a life hands over to it, the next one restores."""
-    return _MEMORY
+    """The process's one PeerMemory, kept by the loop that runs its lives (lifecycle.py):
+    a life hands over to it, the next one restores."""
+    return current().kept("peer memory", PeerMemory)
 
 
 class PeerRing:
@@ -305,7 +304,8 @@ class PeerRing:
     def transfer(self, the_plan: Plan) -> Recovered:
         """The moves of ``the_plan`` from this process's memory (every rank calls it); the
         memory is left as it was until :meth:`adopt`."""
-        return carry_out(the_plan, MemoryHoldings(self.memory), self.rank, self.group)
+        return carry_out(the_plan, MemoryHoldings(self.memory), self.rank,
+                         GroupTransport(self.group))
 
     def adopt(self, the_plan: Plan, got: Recovered) -> Recovered:
         """``got`` is being loaded: this rank's memory now describes the restored step."""

@@ -17,6 +17,7 @@ from typing import Any
 from ..schedule.coordination import Coordinator
 from ..state.capture import collect, has_dtensor
 from ..storage.base import format_bytes
+from ..transport.channel import GroupTransport
 from . import shards as shard_copies
 from .tier import SaveRequest, TierDefaults
 from .early import Early
@@ -64,9 +65,10 @@ class PeerTier(TierDefaults):
         t0 = time.perf_counter()
         own = shard_copies.pack(snap["dcp"].dcp_state, snap["shared"], snap["rank"])
         link = self.ring.link
-        got = shard_copies.exchange(own, link.next, link.prev,
-                                    getattr(self.coord, "writer_group", None))
-        shard_copies.keep(self.ring.memory, self.url, save.step, own, got, link.prev, save.at)
+        got = GroupTransport(getattr(self.coord, "writer_group", None)).exchange(
+            own, link.next, link.prev)
+        saved_at = self._save_point()[0][1]   # this save's, on the policy's agreed clock
+        shard_copies.keep(self.ring.memory, self.url, save.step, own, got, link.prev, saved_at)
         self.coord.writer_barrier()
         shard_copies.confirm(self.ring.memory, save.step)
         log.debug("step %d: shard copies exchanged (%s out, %s in) in %.2f s", save.step,
@@ -106,7 +108,7 @@ class PeerTier(TierDefaults):
         load: Callable[[Mapping[str, Any], bool], None]
         if sharded:   # a save's shards, from each rank's memory or its neighbour's
             got = carry_out(the_plan, shard_copies.ShardHoldings(ring.memory), self.rank,
-                            ring.group)
+                            GroupTransport(ring.group))
             giver = the_plan.rank_source[self.rank]   # where its shard, the bulk, came from
             from_rank = None if giver == self.rank else giver
             shared, mine = None, got.mine["rank"]

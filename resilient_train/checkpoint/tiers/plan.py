@@ -27,7 +27,8 @@ from typing import Any, Protocol
 import torch
 
 from ..progress import Progress
-from ..transport.transfer import Moved, recv_tree, send_tree
+from ..transport.channel import Transport
+from ..transport.transfer import Moved
 
 
 @dataclass(frozen=True)
@@ -151,12 +152,11 @@ class Holdings(Protocol):
         """Rank ``rank``'s state of ``step``: this rank's own, or the copy it holds."""
 
 
-def carry_out(the_plan: Plan, holdings: Holdings, rank: int, group: Any) -> Recovered:
-    """Move what ``the_plan`` says to the ranks that lack it; every rank calls it, and
-    the transfers are point to point in one order on every rank, so no two ranks ever
-    wait on each other."""
-    import torch.distributed as dist
-
+def carry_out(the_plan: Plan, holdings: Holdings, rank: int, transport: Transport
+              ) -> Recovered:
+    """Move what ``the_plan`` says to the ranks that lack it, over ``transport``; every
+    rank calls it, and the transfers are point to point in one order on every rank, so no
+    two ranks ever wait on each other."""
     step = the_plan.step
     shared: dict[str, Any] | None = None
     from_rank: int | None = None
@@ -170,11 +170,11 @@ def carry_out(the_plan: Plan, holdings: Holdings, rank: int, group: Any) -> Reco
             # (the sender's line tells a stuck receiver from a stuck sender).
             with Progress(f"rank {rank}: sending step {step} from its {holdings.where} to "
                           f"rank {dst}") as progress:
-                send_tree(shared, dst, group, progress)
+                transport.send_tree(shared, dst, progress)
         elif rank == dst:
             with Progress(f"rank {rank}: receiving step {step} from rank {the_plan.holder}'s "
                           f"{holdings.where}") as progress:
-                moved: Moved = recv_tree(the_plan.holder, group, progress)
+                moved: Moved = transport.recv_tree(the_plan.holder, progress)
             shared, from_rank, nbytes = moved.tree, the_plan.holder, moved.nbytes
     mine_bytes: bytes | None = None
     for owner, giver in sorted(the_plan.rank_source.items()):
@@ -183,15 +183,9 @@ def carry_out(the_plan: Plan, holdings: Holdings, rank: int, group: Any) -> Reco
                 mine_bytes = holdings.rank_state(owner, step, own=True)
             continue
         if rank == giver:
-            data = holdings.rank_state(owner, step, own=False)
-            dist.send(torch.tensor([len(data)], dtype=torch.int64), owner, group=group)
-            dist.send(torch.frombuffer(bytearray(data), dtype=torch.uint8), owner, group=group)
+            transport.send_bytes(holdings.rank_state(owner, step, own=False), owner)
         elif rank == owner:
-            size = torch.zeros(1, dtype=torch.int64)
-            dist.recv(size, giver, group=group)
-            buf = torch.empty(int(size.item()), dtype=torch.uint8)
-            dist.recv(buf, giver, group=group)
-            mine_bytes = buf.numpy().tobytes()
+            mine_bytes = transport.recv_bytes(giver)
             nbytes += len(mine_bytes)
     assert shared is not None and mine_bytes is not None
     return Recovered(step=step, shared=shared, mine=loads_rank_state(mine_bytes),

@@ -96,23 +96,6 @@ def unpack(payload: bytes) -> dict[str, Any]:
     return loads_rank_state(payload)
 
 
-def exchange(payload: bytes, nxt: int, prev: int, group: Any) -> bytes:
-    """Send ``payload`` to the next rank of the ring and return the previous rank's
-    (collective on ``group``; both directions posted at once, so no rank waits on another's
-    send)."""
-    import torch.distributed as dist
-
-    size_in = torch.zeros(1, dtype=torch.int64)
-    for req in (dist.isend(torch.tensor([len(payload)], dtype=torch.int64), nxt, group=group),
-                dist.irecv(size_in, prev, group=group)):
-        req.wait()
-    got = torch.empty(int(size_in.item()), dtype=torch.uint8)
-    out = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
-    for req in (dist.isend(out, nxt, group=group), dist.irecv(got, prev, group=group)):
-        req.wait()
-    return got.numpy().tobytes()
-
-
 def keep(memory: PeerMemory, url: str, step: int, own: bytes, partner: bytes,
          partner_rank: int, saved_at: float) -> None:
     """This rank's copies of save ``step`` of the checkpoint directory ``url`` (the older

@@ -28,7 +28,6 @@ class SaveRequest:
     """One save, as every tier sees it: decided alike on every rank."""
 
     step: int
-    at: float           # when it started, on the save policy's (agreed) clock
     persistent: bool    # it must reach the persistent tier (the cadence, a final save)
     node_local: bool    # False: the caller keeps it off the machines' disks
     sharded: bool       # the state holds DTensors: DCP writes it (commit/sharded.py)
