@@ -39,7 +39,7 @@ class ShelfTier(TierDefaults):
                                                "at": time.time()})
         return True
 
-    def restore(self, sharded: bool, reason: str) -> Restored | str:
+    def restore(self, sharded: bool) -> Restored | str:
         if not self.shelf:
             return "the shelf is empty"
         step = max(self.shelf)

@@ -79,9 +79,9 @@ class SaveInFlight:
                 fut.result()
         self.check()
 
-    def finished_by(self, deadline: float, fut: Future[None] | None = None) -> bool:
-        """Whether ``fut`` (the save in flight) is done by ``deadline`` (monotonic)."""
-        fut = self.future if fut is None else fut
+    def finished_by(self, deadline: float) -> bool:
+        """Whether the save in flight is done by ``deadline`` (monotonic)."""
+        fut = self.future
         if fut is None:
             return True
         try:

@@ -61,7 +61,7 @@ class TierChain:
         """A collective: from the first tier that can serve every rank."""
         reason = ""
         for tier in self.tiers:
-            got = tier.restore(sharded, reason)
+            got = tier.restore(sharded)
             if isinstance(got, Restored):
                 return replace(got, record=replace(got.record, reason=reason))
             reason = f"{reason}; {got}" if reason else got

@@ -301,7 +301,7 @@ class LocalTier(TierDefaults):
         ready()   # the snapshot's deferred copies (an overlapped snapshot)
         return self.save(save.step, snap, self._partner(save.step))
 
-    def restore(self, sharded: bool, reason: str) -> Restored | str:
+    def restore(self, sharded: bool) -> Restored | str:
         """From the machines' disks by plan (plan.py): the newest step, no older than the
         persistent tier's newest, that every rank can get from its own disk or another
         rank's; else why not."""
@@ -341,7 +341,7 @@ class LocalTier(TierDefaults):
         record = RestoreRecord(
             step=got.step, source=self.name, seconds=0.0,
             bytes_read=bytes_read(node_local=self.read_bytes, peer=got.nbytes),
-            from_rank=got.from_rank, where=self.url, reason=reason)
+            from_rank=got.from_rank, where=self.url)
         machine = "" if got.from_rank is None else f" (rank {got.from_rank}'s machine)"
         return Restored(record, step=got.step, shared=got.shared, mine=got.mine,
                         last_commit=newest,

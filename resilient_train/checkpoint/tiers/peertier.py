@@ -88,7 +88,7 @@ class PeerTier(TierDefaults):
         return Early(lambda: self._fetch(the_plan, sharded=False, early_since=t0),
                      f"the state of step {the_plan.step} from peers")
 
-    def restore(self, sharded: bool, reason: str) -> Restored | str:
+    def restore(self, sharded: bool) -> Restored | str:
         memory = self.ring.memory
         mine = shard_copies.report(memory, self.rank, self.url) if sharded \
             else self.ring.report()

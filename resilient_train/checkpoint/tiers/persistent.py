@@ -237,10 +237,10 @@ class PersistentTier:
     def begin_restore(self) -> None:
         return None   # reads and a broadcast would compete with the model's build
 
-    def restore(self, sharded: bool, reason: str) -> Restored:
+    def restore(self, sharded: bool) -> Restored:
         """A collective: the newest committed step that verifies on every rank (each
         rank's own file, and the replicated state read once, by the primary, and streamed
-        to the others), or a fresh start. ``reason``: why no faster tier served."""
+        to the others), or a fresh start."""
         self._read_bytes = 0
         infos = scan(self.storage, with_manifest=False) if self.is_primary else []
         names: list[tuple[int, str]] = self.coord.broadcast(
@@ -256,7 +256,7 @@ class PersistentTier:
                           lambda: self.storage.bytes_moved,
                           after_s=None if self.is_primary else math.inf,
                           log=log) as progress:
-                fetched = self._fetch_step(step, name, reason, problems, progress)
+                fetched = self._fetch_step(step, name, problems, progress)
             if fetched is not None:
                 return fetched
             self.known.bad.add(name)
@@ -271,10 +271,10 @@ class PersistentTier:
                 "or pass a new checkpoint directory to start over.")
         if self.is_primary:
             self._explain_fresh_start()
-        return Restored(self._record(0, reason), step=None, shared={}, mine={},
+        return Restored(self._record(0), step=None, shared={}, mine={},
                         last_commit=None, save_point=(None, 0.0))
 
-    def _fetch_step(self, step: int, name: str, reason: str, problems: list[str],
+    def _fetch_step(self, step: int, name: str, problems: list[str],
                     progress: Progress) -> Restored | None:
         """One committed step from storage on every rank, or None (and the problem noted)
         where it does not verify on some rank."""
@@ -301,17 +301,17 @@ class PersistentTier:
         def load_sharded(tracked: Mapping[str, Any], strict: bool) -> None:
             self.sharded.load(self.storage, manifest, tracked, shared, strict=strict)
 
-        return Restored(self._record(step, reason), step=step,
+        return Restored(self._record(step), step=step,
                         shared=None if sharded else shared, mine=mine, last_commit=step,
                         save_point=(step, manifest.created),
                         load=load_sharded if sharded else None,
                         message=f"restored checkpoint step {step} from {self.storage.url}",
                         name=name)
 
-    def _record(self, step: int, reason: str) -> RestoreRecord:
+    def _record(self, step: int) -> RestoreRecord:
         return RestoreRecord(step=step, source="persistent" if step else "none", seconds=0.0,
                              bytes_read=bytes_read(persistent=self._read_bytes),
-                             reason=reason, where=self.storage.url)
+                             where=self.storage.url)
 
     def _values_of_rank_0(self, manifest: Manifest) -> dict[str, Any]:
         """A step saved by fewer ranks has no file for this one: rank 0's ``values``, and

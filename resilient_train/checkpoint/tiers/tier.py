@@ -54,10 +54,10 @@ class Tier(Protocol):
         to tolerate the failure (a machine's disk: the save still reaches storage).
         Raises what must fail the save."""
 
-    def restore(self, sharded: bool, reason: str) -> Restored | str:
+    def restore(self, sharded: bool) -> Restored | str:
         """A collective: the newest step this tier can give every rank, moved to the
         ranks that lack it, or why it cannot, in one line (every rank gets the same
-        answer). ``reason``: why the faster tiers could not."""
+        answer). Why the faster tiers could not is the chain's to add to the record."""
 
     def begin_restore(self) -> Early[Restored] | None:
         """A collective at a life's start, before the model is built: a restore started
