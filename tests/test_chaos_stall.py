@@ -17,6 +17,7 @@ from typing import Any
 
 import pytest
 import torch
+from jobs import PRELOADED
 from test_launcher_e2e import E2E, PY, WORKERS, e2e, event_messages, replica  # noqa: F401
 
 from resilient_train.launcher.chaos import SLOW_PERIOD_S, FaultKind, ScheduledFault
@@ -150,6 +151,8 @@ STEPS, SAVE_EVERY = 40, 10
 
 
 def ddp_job(e2e: E2E, name: str, *args: str) -> tuple[dict[str, Any], str, float]:
+    for key, value in PRELOADED.items():
+        e2e.monkeypatch.setenv(key, value)
     t0 = time.monotonic()
     status, job, out = e2e.launch(
         "--workers", "3", "--grace", "10s", *args, name=name,

@@ -16,7 +16,7 @@ import re
 import secrets
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -78,6 +78,20 @@ def _pool(text: str) -> tuple[str, int]:
             f"expected POOL=COUNT with POOL one of workerpool0..workerpool3, e.g. "
             f"workerpool1=3; found {text!r}")
     return name, int(count)
+
+
+_MODULE = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*")
+
+
+def _modules(text: str) -> tuple[str, ...]:
+    """``torch,torch._dynamo``: module names to preload (an empty item is refused)."""
+    names = tuple(name.strip() for name in text.split(","))
+    bad = [name for name in names if not _MODULE.fullmatch(name)]
+    if bad:
+        raise argparse.ArgumentTypeError(
+            f"expected module names separated by commas, e.g. torch,torch._dynamo; "
+            f"{bad[0]!r} is not a module name")
+    return names
 
 
 def _argument(parse: Callable[[], Callable[[str], Any]], what: str) -> Callable[[str], Any]:
@@ -157,6 +171,11 @@ def _parser() -> argparse.ArgumentParser:
                     "(memory minus the platform's reserved share)")
     lp.add_argument("--start-jitter", type=_duration, default=0.0, metavar="DURATION",
                     help="random delay up to DURATION before each worker starts")
+    lp.add_argument("--preload", type=_modules, metavar="MODULES",
+                    help="fork each `python SCRIPT` worker from a process that imported "
+                    "MODULES once (e.g. torch,torch._dynamo): restarts without their "
+                    "imports, for fast local iterations; the platform starts new processes "
+                    "(default: $RESILIENT_TRAIN_PRELOAD, else none)")
     lp.add_argument("--grace", type=_grace, default=10.0, metavar="DURATION",
                     help="SIGTERM-to-SIGKILL grace period (default 10s)")
     lp.add_argument("--chaos", default="", metavar="SPEC",
@@ -542,10 +561,25 @@ def _options(args: argparse.Namespace, command: tuple[str, ...],
         listed_only=listed_only,
         shared_workdir=args.shared_workdir,
         tensorboard=TensorBoardMode(args.tensorboard),
+        preload=_preload(args.preload, env),
     )
     platform = tested_job(options, spec, machine_type=args.machine_type,
                           gpus=args.gpus_per_worker, disable_retries=disable_retries)
     return replace(options, platform_job=platform), notes
+
+
+def _preload(given: tuple[str, ...] | None, env: Mapping[str, str]) -> tuple[str, ...]:
+    """--preload, else the environment's default (a shell profile's, a test suite's)."""
+    from ..launcher.preload import PRELOAD_ENV
+    from ..launcher.runner import LaunchError
+
+    if given is not None:
+        return given
+    text = env.get(PRELOAD_ENV, "").strip()
+    try:
+        return _modules(text) if text else ()
+    except argparse.ArgumentTypeError as exc:
+        raise LaunchError(f"{PRELOAD_ENV}={text!r}: {exc}") from None
 
 
 def _export_errors() -> tuple[type[Exception], ...]:

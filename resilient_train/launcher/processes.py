@@ -27,7 +27,7 @@ import threading
 import time
 from collections.abc import Callable, Mapping, MutableMapping, Sequence
 from pathlib import Path
-from typing import IO, Any, cast
+from typing import IO, Any, Protocol, cast
 
 import psutil
 
@@ -37,6 +37,7 @@ from ..platform.rules import Cause
 from .console import ConsoleLines
 from .exits import ProcessExit
 from .logtail import BacktraceFolder, traceback_from_log
+from .preload import Preloader
 from .watchdog import descendants, start_ticks
 from .workerenv import LAUNCH_ID_ENV, Replica
 
@@ -62,10 +63,23 @@ def _shown_path(path: Any) -> str:
     return text if rel.startswith("..") else rel
 
 
+class Process(Protocol):
+    """What the launcher uses of a worker's process: a ``Popen``, or a life the preload
+    fork server started (``preload.Forked``)."""
+
+    pid: int
+    stdout: IO[bytes] | None
+    returncode: int | None
+
+    def poll(self) -> int | None: ...
+
+    def wait(self, timeout: float | None = None) -> int: ...
+
+
 class Worker:
     """One running replica process and what the loop knows about it."""
 
-    def __init__(self, replica: Replica, popen: subprocess.Popen[bytes], attempt: int,
+    def __init__(self, replica: Replica, popen: Process, attempt: int,
                  restart: int, log_file: IO[bytes], report: Path,
                  echo: Callable[[str], None]) -> None:
         self.replica = replica
@@ -326,10 +340,15 @@ def _close_match(path: str, cwd: Path) -> str:
     return f"; did you mean {os.path.join(parent, close[0])}?" if close else ""
 
 
-def spawn(command: Sequence[str], env: Mapping[str, str],
-          cwd: Path | None) -> subprocess.Popen[bytes]:
-    """Start one worker process in a session of its own, its output piped to the launcher.
+def spawn(command: Sequence[str], env: Mapping[str, str], cwd: Path | None,
+          preloader: Preloader | None = None) -> Process:
+    """Start one worker process in a session of its own, its output piped to the launcher:
+    forked by ``preloader`` where it can (``launch --preload``), a new process otherwise.
     Raises what ``subprocess.Popen`` raises (OSError and its kinds)."""
+    if preloader is not None and preloader.can_fork(command, env):
+        forked = preloader.spawn(command, env, cwd)
+        if forked is not None:
+            return forked
     return subprocess.Popen(
         list(command), env=env, cwd=cwd,
         stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,

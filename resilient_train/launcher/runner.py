@@ -60,13 +60,15 @@ from .job import (
 )
 from .jobrecord import JobRecord, job_spec, launcher_alive
 from .logtail import peer_connection_error
-from .machines import Machines
+from .machines import Machines, Placement
 from .memory import MemoryLimit
 from .messages import STATUS_FAULT_NOT_FIRED, STATUS_INTERNAL
 from .ports import free_port
+from .preload import Preloader
 from .processes import ProcessTrees, Worker, kill_all, missing_program, spawn
 from .quota import Capacity, LocalQuota, Request, default_quota_dir
 from .workerenv import (
+    LAUNCH_ID_ENV,
     JobEnv,
     Replica,
     create_output_dirs,
@@ -85,6 +87,8 @@ log = logging.getLogger(__name__)
 # How often the replicas' working directories are looked at for files they wrote (one
 # scandir each), so the line naming such a file comes soon after it was written.
 _WRITTEN_CHECK_S = 1.0
+# How often a life waiting for the fork server (--preload) to import asks again.
+_PRELOAD_POLL_S = 0.1
 
 
 class LaunchError(Exception):
@@ -131,6 +135,9 @@ class LaunchOptions:
     # What the platform would run (export.PlatformJob), recorded in job.json so that
     # `resilient-train export --from-job` writes the job as tested; None: not recorded.
     platform_job: PlatformJob | None = None
+    # Modules imported once by a fork server that every `python SCRIPT` life is forked
+    # from (preload.py): local iterations without each restart's imports. () : none.
+    preload: tuple[str, ...] = ()
 
     def program(self, pool: str) -> PoolProgram:
         """What the replicas of ``pool`` run."""
@@ -188,6 +195,7 @@ class Launcher:
             launch_id=uuid.uuid4().hex, running=len(self.replicas), grace_s=options.grace)
         self.workers: dict[str, Worker] = {}
         self._trees: ProcessTrees | None = None   # while run() runs
+        self._preloader: Preloader | None = None  # while run() runs, with --preload
         self._delayed: list[tuple[float, StartWorker]] = []
         self._rng = random.Random(options.seed)
         # The parts the loop calls at each step.
@@ -303,6 +311,10 @@ class Launcher:
         restore = self._install_signals()
         trees = self._trees = ProcessTrees(self.env.launch_id, processes_path(self.job_dir),
                                            self.workers)
+        preloader = self._preloader = (
+            Preloader(self.options.preload,
+                      {**self.options.env, LAUNCH_ID_ENV: self.env.launch_id})
+            if self.options.preload else None)
         try:
             self.record.flush(force=True)   # job.json exists from the start (QUEUED)
             self._execute(self.machine.start(self.clock()))
@@ -332,6 +344,8 @@ class Launcher:
         finally:
             self.capacity.release()
             trees.close()
+            if preloader is not None:
+                preloader.close()
             self.machines.close()
             restore()
             os.close(self._wake_r)
@@ -385,6 +399,12 @@ class Launcher:
         # SIGCHLD writes to the wake pipe, so a dying worker is seen at once.
         sel = selectors.DefaultSelector()
         sel.register(self._wake_r, selectors.EVENT_READ)
+        # Lives forked by the preload server are its children, not ours: their ends (and
+        # its readiness) come on its socket instead of as a SIGCHLD.
+        if self._preloader is not None:
+            self._preloader.drain()
+            if (fd := self._preloader.fileno()) is not None:
+                sel.register(fd, selectors.EVENT_READ)
         try:
             if sel.select(min(waits)):
                 try:
@@ -473,6 +493,21 @@ class Launcher:
         first = sum(self._gpus(r) for r in self.replicas[:self.replicas.index(replica)])
         gpu_ids = self.capacity.gpu_ids(first, program.gpus_per_replica)
         report = report_path(self.job_dir, cmd.attempt, replica.name, cmd.restart)
+
+        def env_for(placement: Placement | None) -> dict[str, str]:
+            return worker_env(
+                self.env, replica, attempt=cmd.attempt, restart=cmd.restart,
+                error_file=str(report), gpu_ids=gpu_ids, base={**o.env, **program.env},
+                placement=placement, failures_file=str(failures_path(self.job_dir)),
+                telemetry=str(telemetry_prefix(self.job_dir, cmd.attempt, replica.name,
+                                               cmd.restart)))
+
+        # --preload: the life waits, before anything of it is done, while the fork server
+        # imports; the loop goes on meanwhile (a timeout, a cancel, other ends).
+        if self._preloader is not None and self._preloader.warming(program.command,
+                                                                   env_for(None)):
+            self._delayed.append((self.clock() + _PRELOAD_POLL_S, cmd))
+            return []
         report.parent.mkdir(parents=True, exist_ok=True)
         report.unlink(missing_ok=True)
         placement = self.machines.prepare(replica.name, new_vm=cmd.new_vm)
@@ -482,12 +517,7 @@ class Launcher:
                       + "; ".join([*(f"{w} wiped" for w in placement.wiped),
                                    *(f"{k} kept" for k in placement.kept)]),
                       replica=replica.name)
-        env = worker_env(self.env, replica, attempt=cmd.attempt, restart=cmd.restart,
-                         error_file=str(report), gpu_ids=gpu_ids,
-                         base={**o.env, **program.env}, placement=placement,
-                         telemetry=str(telemetry_prefix(self.job_dir, cmd.attempt,
-                                                        replica.name, cmd.restart)),
-                         failures_file=str(failures_path(self.job_dir)))
+        env = env_for(placement)
         logfile = log_path(self.job_dir, cmd.attempt, replica.name)
         logfile.parent.mkdir(parents=True, exist_ok=True)
         out = open(logfile, "ab")
@@ -495,7 +525,7 @@ class Launcher:
                   f"at {time.strftime('%Y-%m-%dT%H:%M:%S')} =====\n".encode())
         now = self.clock()
         try:
-            popen = spawn(program.command, env, placement.workdir)
+            popen = spawn(program.command, env, placement.workdir, self._preloader)
         except (FileNotFoundError, PermissionError, NotADirectoryError) as exc:
             # As on the platform: a command that cannot start is exit 128, StartError.
             msg = f"cannot start {program.command[0]!r}: {exc.strerror or exc}"
