@@ -30,7 +30,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import IO
 
-__all__ = ["PRELOAD_ENV", "Forked", "Preloader", "read_at_start"]
+__all__ = ["PRELOAD_ENV", "PYTHON_PROGRAM", "Forked", "Preloader", "read_at_start"]
 
 log = logging.getLogger(__name__)
 
@@ -38,7 +38,9 @@ log = logging.getLogger(__name__)
 PRELOAD_ENV = "RESILIENT_TRAIN_PRELOAD"
 _SERVER = Path(__file__).with_name("forkserver.py")
 READY_TIMEOUT_S = 120.0      # the imports, on loaded cores
-_PYTHON = re.compile(r"python(?:[0-9]+(?:\.[0-9]+)?)?")
+# ``python``, ``python3``, ``python3.11``: a program that runs a Python script (the
+# launcher's check for a missing script reads commands by it too).
+PYTHON_PROGRAM = re.compile(r"python(?:[0-9]+(?:\.[0-9]+)?)?")
 # Environment variables read as an interpreter starts, or as torch and its libraries load
 # (OpenMP's and MKL's thread counts, the allocator, locale, library paths).
 _AT_START = re.compile(r"(PYTHON|LD_|OMP_|GOMP_|KMP_|MKL_|MALLOC_|TORCH_|PYTORCH_|LC_)"
@@ -105,7 +107,7 @@ class Preloader:
         and start-up environment once it runs."""
         if self._failed or len(command) < 2 or command[1].startswith("-"):
             return False
-        if not _PYTHON.fullmatch(os.path.basename(command[0])):
+        if not PYTHON_PROGRAM.fullmatch(os.path.basename(command[0])):
             return False
         if self._proc is None:
             return True

@@ -19,7 +19,6 @@ import difflib
 import io
 import logging
 import os
-import re
 import signal
 import subprocess
 import sys
@@ -37,7 +36,7 @@ from ..platform.rules import Cause
 from .console import ConsoleLines
 from .exits import ProcessExit
 from .logtail import BacktraceFolder, traceback_from_log
-from .preload import Preloader
+from .preload import PYTHON_PROGRAM, Preloader
 from .watchdog import descendants, start_ticks
 from .workerenv import LAUNCH_ID_ENV, Replica
 
@@ -270,8 +269,6 @@ def _pdeathsig_preexec(launcher_pid: int) -> Callable[[], None]:
     return preexec
 
 
-# ``python``, ``python3``, ``python3.11``: the interpreters whose script can be looked for.
-_PYTHON = re.compile(r"python(?:[0-9]+(?:\.[0-9]+)?)?")
 # Python's options after which no script runs (-c CMD, -m MOD, help, version), and those
 # whose value may be the next argument.
 _PYTHON_NO_SCRIPT = frozenset("cmhV?")
@@ -293,7 +290,7 @@ def missing_program(command: Sequence[str], cwd: Path) -> str | None:
             what = "is not executable" if path.is_file() else "does not exist as a file"
             return (f"the program {program} {what} (resolved against {cwd}, each replica's "
                     f"working directory){_close_match(program, cwd)}")
-    if not _PYTHON.fullmatch(os.path.basename(program)):
+    if not PYTHON_PROGRAM.fullmatch(os.path.basename(program)):
         return None
     script = _python_script(command[1:])
     if script is None or (cwd / script).exists():
