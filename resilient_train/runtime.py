@@ -31,6 +31,7 @@ from .validate import NONE, expect_type, holder, options
 
 if TYPE_CHECKING:  # torch-heavy: loaded when a training script builds them
     from .checkpoint.manager import CheckpointOptions
+    from .checkpoint.storage.base import Storage
     from .distributed.group import DistributedOptions
 
 log = logging.getLogger(__name__)
@@ -216,8 +217,10 @@ class Context:
 
         self.group = group
         self.options = options
-        self.checkpoints = CheckpointManager(options.checkpoint_dir,
-                                             options=options.checkpoint_options())
+        checkpoint_options = options.checkpoint_options()
+        self.checkpoints = CheckpointManager(
+            options.checkpoint_dir, options=checkpoint_options,
+            storage=_kept_storage(options.checkpoint_dir, checkpoint_options))
         from .checkpoint.state.capture import check_weights_only
 
         self._values = _Values(check_weights_only)   # see _Values
@@ -488,6 +491,18 @@ def _raised_in_data_loading(exc: BaseException) -> bool:
             return True
         tb = tb.tb_next
     return False
+
+
+def _kept_storage(directory: str | os.PathLike[str] | None,
+                  options: CheckpointOptions) -> Storage:
+    """The checkpoint directory's storage handle, opened by this loop's first life and
+    kept for the later ones (its connections, the writable probe it passed)."""
+    from .checkpoint.commit.directory import default_directory
+    from .checkpoint.storage.base import Storage
+
+    url = os.fspath(directory) if directory is not None else default_directory()
+    return lifecycle.current().kept(f"storage {url}", lambda: Storage(
+        url, retry=options.retry, storage_options=options.storage_options))
 
 
 def _life(fn: Callable[..., R], group: Any, options: MainOptions, args: tuple[Any, ...],

@@ -43,13 +43,13 @@ from .state.capture import HostSnapshot, check_weights_only, collect, tree_on_ho
 from .state.kept import KeptObjects
 from .state.tracked import Tracked
 from .storage.base import Storage
-from .tiers.tier import SaveRequest, Tier
+from .tiers.assemble import fast_tiers
 from .tiers.chain import TierChain
 from .tiers.early import Early
-from .tiers.assemble import fast_tiers
 from .tiers.peers import PeerMemory, process_memory
 from .tiers.persistent import PersistentTier
 from .tiers.restored import Restored, RestoreRecord
+from .tiers.tier import SaveRequest, Tier
 
 __all__ = ["CheckpointManager", "CheckpointOptions"]
 
@@ -64,14 +64,17 @@ class CheckpointManager:
                  coordinator: Coordinator | None = None,
                  clock: Callable[[], float] = time.time,
                  peer_memory: PeerMemory | None = None,
-                 tiers: tuple[Tier, ...] = ()) -> None:
+                 tiers: tuple[Tier, ...] = (),
+                 storage: Storage | None = None) -> None:
         """``tiers``: more places to save to and restore from, tried after the built-in
-        fast tiers and before the persistent one (tiers/tier.py: the interface)."""
+        fast tiers and before the persistent one (tiers/tier.py: the interface).
+        ``storage``: the handle of ``directory`` an earlier life of this process opened
+        (``rt.main`` keeps it: runtime.py), else a new one."""
         self.options = opts = options or CheckpointOptions()
         self.directory = os.fspath(directory) if directory is not None else default_directory()
         watch = SigtermWatch(bool(opts.save_on_sigterm))   # first: see its docstring
-        self.storage = Storage(self.directory, retry=opts.retry,
-                               storage_options=opts.storage_options)
+        self.storage = storage or Storage(self.directory, retry=opts.retry,
+                                          storage_options=opts.storage_options)
         self.coord = coordinator or default_coordinator()
         self.rank, self.world_size = self.coord.rank, self.coord.world_size
         self.is_primary = self.rank == 0

@@ -5,11 +5,13 @@ Environment: CKPT (checkpoint directory), STEPS, FAIL_AT (raise at this step, on
 marker file FAIL_ONCE says it already happened), FAIL_KIND (transient | bug | network), OUT (where
 the final weights go), BARRIER_EVERY (a named group barrier every N steps), STEP_S (a sleep
 per step), PAUSE_AT (this step sleeps PAUSE_S, 120 s by default), GATE_AT (this step
-creates the file GATE and goes on once the test has removed it).
+creates the file GATE and goes on once the test has removed it), SHOW_LIVES (each life
+prints its storage handle and the writable probes this process has run so far).
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 from pathlib import Path
@@ -20,10 +22,28 @@ from torch import nn
 import resilient_train as rt
 
 
+class _Probes(logging.Handler):
+    """Counts the checkpoint directory's writable probes (storage/base.py's debug line)."""
+
+    count = 0
+
+    def emit(self, record: logging.LogRecord) -> None:
+        _Probes.count += record.getMessage().endswith(" is writable")
+
+
+if os.environ.get("SHOW_LIVES"):
+    _storage_log = logging.getLogger("resilient_train.checkpoint.storage.base")
+    _storage_log.setLevel(logging.DEBUG)
+    _storage_log.addHandler(_Probes())
+
+
 @rt.main(options=rt.MainOptions(
     checkpoint_dir=os.environ["CKPT"],
     checkpoint=rt.CheckpointOptions(save_every_steps=5, async_save=True)))
 def train(ctx: rt.Context) -> None:
+    if os.environ.get("SHOW_LIVES"):
+        print(f"life rank={ctx.rank} storage={id(ctx.checkpoints.storage)} "
+              f"probes={_Probes.count}", flush=True)
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1)).to(ctx.device)
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)

@@ -367,6 +367,7 @@ class Storage:
         self._retry = retry
         self._moved = 0   # bytes read and written so far (progress lines): _retrying's
         self._moved_lock = threading.Lock()
+        self._proven_writable = False   # a probe passed (check_writable(again=False))
         self._url, self._root = self._open(url, dict(storage_options or {}))
         logger.debug("storage %s: %s, local=%s atomic_rename=%s", self._url,
                      type(self).__name__, self.is_local, self.atomic_rename)
@@ -540,10 +541,15 @@ class Storage:
         prefix in an existing bucket is fine: nothing has been saved there yet.)"""
         self._check_readable()
 
-    def check_writable(self) -> None:
+    def check_writable(self, *, again: bool = True) -> None:
         """Write and delete a probe under the root, so a missing bucket, a permission
         problem or a full disk fails now with a clear error, not at the first save hours
-        later. The probe never stays behind, whether it was written or not."""
+        later. The probe never stays behind, whether it was written or not.
+
+        ``again=False``: not again on a handle whose probe passed (a handle kept for a
+        later life: its saves have written since, and a failure now is met by a save)."""
+        if self._proven_writable and not again:
+            return
         probe = f"{PROBE_PREFIX}{uuid.uuid4().hex[:12]}"
         self._check_root_writable()
         try:
@@ -554,6 +560,7 @@ class Storage:
             self._forget(probe)
             raise
         self.delete(probe)
+        self._proven_writable = True
         logger.debug("storage %s is writable", self._url)
 
     # -- what every backend shares: retries, error translation, full disks

@@ -70,10 +70,10 @@ from ..schedule.policies import PRIOR_MTBF_S, daly_interval, resolve_mtbf
 from ..schedule.scheduler import SaveScheduler
 from ..storage.base import RetryOptions, Storage, format_bytes
 from ..storage.errors import StorageError, StorageFullError
-from .tier import SaveRequest, TierDefaults
 from ..transport.channel import GroupTransport
 from .plan import Plan, Report, carry_out, dumps_rank_state, plan
 from .restored import Restored, RestoreRecord, bytes_read
+from .tier import SaveRequest, TierDefaults
 
 log = logging.getLogger(__name__)
 

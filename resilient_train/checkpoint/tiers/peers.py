@@ -45,10 +45,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ...lifecycle import current, said, say_once
+from ..schedule.coordination import Coordinator
 from ..state.capture import rng_fingerprint, tree_map_tensors, tree_nbytes
 from ..state.stepwrites import StepWrites, buffers_print
 from ..storage.base import format_bytes
-from ..schedule.coordination import Coordinator
 from ..transport.channel import GroupTransport
 from ..transport.ringlink import Frame, RingLink, local_address, new_token
 from .plan import Plan, Recovered, Report, carry_out, dumps_rank_state, loads_rank_state

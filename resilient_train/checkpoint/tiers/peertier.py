@@ -19,11 +19,11 @@ from ..state.capture import collect, has_dtensor
 from ..storage.base import format_bytes
 from ..transport.channel import GroupTransport
 from . import shards as shard_copies
-from .tier import SaveRequest, TierDefaults
 from .early import Early
 from .peers import PeerRing
 from .plan import Plan, carry_out, plan
 from .restored import Restored, RestoreRecord, bytes_read
+from .tier import SaveRequest, TierDefaults
 
 log = logging.getLogger(__name__)
 

@@ -53,8 +53,8 @@ from ..schedule.coordination import Coordinator
 from ..schedule.emergency import CommitGate
 from ..storage.base import Storage, format_bytes, free_bytes, is_no_space
 from ..transport.readonce import read_once
-from .tier import SaveRequest
 from .restored import Restored, RestoreRecord, bytes_read
+from .tier import SaveRequest
 
 log = logging.getLogger(__name__)
 
@@ -77,7 +77,7 @@ class PersistentTier:
             # Every rank is past the policy agreement and waits for the token below, so no
             # rank of this run is saving: what temporary saves exist are from crashed runs.
             remove_crashed_saves(storage)
-            storage.check_writable()   # a missing bucket fails now, not hours from now
+            storage.check_writable(again=False)   # a missing bucket fails now, not hours later
         # A fresh name per run for in-flight saves: a crashed run's leftovers never mix in.
         self._token: str = coord.broadcast(os.urandom(4).hex())
         self.committer = committer_for(storage, self._token)
