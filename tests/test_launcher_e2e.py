@@ -582,7 +582,9 @@ def test_sigterm_goes_to_the_main_process_only_so_a_dataloader_survives_it(e2e: 
     # As the platform signals the container's PID 1: had the DataLoader's worker processes
     # been terminated too, the loop would fail mid-step (exit 1) instead of leaving cleanly.
     e2e.primary_waits_for("workerpool1-0.a1.r1.ready")
-    status, rec, _ = e2e.launch("--workers", "2", "--chaos", "maintenance:workerpool1-0@9s/5s",
+    # At 20 s: at 9 s, a start on loaded cores (torch's import, the loader's two workers)
+    # once had no batch yet when the SIGTERM came.
+    status, rec, _ = e2e.launch("--workers", "2", "--chaos", "maintenance:workerpool1-0@20s/5s",
                                 script="loader_on_sigterm.py")
     assert (status, rec["state"]) == (0, "JOB_STATE_SUCCEEDED")
     fault = next(e for e in rec["events"] if e["kind"] == "fault")
