@@ -12,17 +12,18 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import preloads
 import torch
 
-from resilient_train.launcher.preload import PRELOAD_ENV
+from resilient_train.launcher.preload import PRELOAD_ENV, PRELOAD_SERVER_ENV
 
-# Most of a short training life's CPU is its imports (torch, and the torch._dynamo that an
-# optimizer's first step imports: 4-5 CPU-seconds here), paid again by every restart. The
-# jobs that train with torch fork their worker lives from a process that imported them
-# once (launch --preload, docs/launcher.md "Preloading"). Not for a script that does not
-# import torch (the server's imports would be all cost), nor where a new process's start
-# is what is tested (the README's demo).
-PRELOADED = {PRELOAD_ENV: "torch,torch._dynamo"}
+
+def preloaded() -> dict[str, str]:
+    """The environment of a launch whose worker lives are forked from this test process's
+    warm server (tests/preloads.py; docs/launcher.md "Preloading"), instead of each importing
+    torch again: for the jobs that train with torch. Not where a new process's start is
+    what is tested (the README's demo)."""
+    return {PRELOAD_ENV: ",".join(preloads.MODULES), PRELOAD_SERVER_ENV: preloads.for_launched_workers()}
 
 
 def launch_job(tmp: Path, name: str, workers: int, launcher_args: Sequence[str],
@@ -36,7 +37,7 @@ def launch_job(tmp: Path, name: str, workers: int, launcher_args: Sequence[str],
         [sys.executable, "-m", "resilient_train.cli.main", "launch", "--workers", str(workers),
          "--job-dir", str(job_dir), *launcher_args, "--", program, *script],
         env=dict(os.environ, RESILIENT_TRAIN_QUOTA_DIR=str(tmp / "quota"),
-                 RESILIENT_TRAIN_FORM_TIMEOUT_S="15", **PRELOADED),
+                 RESILIENT_TRAIN_FORM_TIMEOUT_S="15", **preloaded()),
         cwd=tmp, capture_output=True, text=True, timeout=400, check=False)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-4000:]

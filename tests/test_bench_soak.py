@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from jobs import PRELOADED
+from jobs import preloaded
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
@@ -71,7 +71,7 @@ def test_a_two_kill_soak_measures_every_recovery_here_and_under_torchrun(tmp_pat
          "--job-timeout", "240", "--against", "torchrun", "--out", str(out)],
         # Our side's lives forked from a process that imported torch (tests/jobs.py): the
         # test checks what the benchmark measures and records, not the ratio's value.
-        env=dict(os.environ, **PRELOADED), cwd=ROOT, capture_output=True, text=True,
+        env=dict(os.environ, **preloaded()), cwd=ROOT, capture_output=True, text=True,
         timeout=420, check=False)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     data = json.loads(out.read_text())

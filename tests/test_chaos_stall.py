@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 import torch
-from jobs import PRELOADED
+from jobs import preloaded
 from test_launcher_e2e import E2E, PY, WORKERS, e2e, event_messages, replica  # noqa: F401
 
 from resilient_train.launcher.chaos import SLOW_PERIOD_S, FaultKind, ScheduledFault
@@ -151,7 +151,7 @@ STEPS, SAVE_EVERY = 40, 10
 
 
 def ddp_job(e2e: E2E, name: str, *args: str) -> tuple[dict[str, Any], str, float]:
-    for key, value in PRELOADED.items():
+    for key, value in preloaded().items():
         e2e.monkeypatch.setenv(key, value)
     t0 = time.monotonic()
     status, job, out = e2e.launch(

@@ -17,7 +17,7 @@ from datetime import datetime
 from pathlib import Path
 
 import pytest
-from jobs import PRELOADED, life_pid
+from jobs import life_pid, preloaded
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -80,7 +80,7 @@ def launch_demo(tmp: Path, *launcher_args: str, script_args: tuple[str, ...] = (
          sys.executable, str(ROOT / "examples" / "train_demo.py"),
          "--steps", str(steps), "--step-time", str(step_time), *script_args],
         env=dict(os.environ, RESILIENT_TRAIN_QUOTA_DIR=str(tmp / "quota"),
-                 RESILIENT_TRAIN_FORM_TIMEOUT_S="15", **PRELOADED, **(env or {})),
+                 RESILIENT_TRAIN_FORM_TIMEOUT_S="15", **preloaded(), **(env or {})),
         cwd=tmp, capture_output=True, text=True, timeout=300)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-3000:]
@@ -158,7 +158,7 @@ def test_sigterm_reaches_a_primary_blocked_in_a_collective_with_a_frozen_peer(
          "--", sys.executable, str(ROOT / "examples" / "train_demo.py"), "--steps", "40",
          "--step-time", "0.05", "--save-every", "30"],
         env=dict(os.environ, RESILIENT_TRAIN_QUOTA_DIR=str(tmp_path / "quota"),
-                 RESILIENT_TRAIN_FORM_TIMEOUT_S="15", **PRELOADED),
+                 RESILIENT_TRAIN_FORM_TIMEOUT_S="15", **preloaded()),
         cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         sent = _sigterm_once_blocked(job_dir, proc)

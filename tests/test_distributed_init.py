@@ -45,20 +45,23 @@ def run_ranks(world: int, delays: dict[int, float], *, extra: dict[str, str] | N
               ranks: list[int] | None = None, master_addr: str = "localhost",
               timeout: float = 120.0, script: Path = FORM) -> dict[int, dict[str, Any]]:
     """Start each rank of ``ranks`` (default all) as its own process (forked together from
-    one that imported torch: tests/lives.py), each waiting its delay before it forms."""
+    a warm server that imported torch: tests/lives.py), each waiting its delay before it
+    forms."""
     port = free_port()
     job_id = f"test-{port}-{time.monotonic_ns()}"  # another job's store on a reused port
     lives = []
     chosen = ranks if ranks is not None else list(range(world))
     for rank in chosen:
+        # Unbuffered and one thread, as a launched worker here is: forked from the same
+        # warm server as the launched workers (tests/preloads.py).
         env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR=master_addr,
                    MASTER_PORT=str(port), GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1",
+                   PYTHONUNBUFFERED="1",
                    DELAY_S=str(delays.get(rank, 0.0)), CLOUD_ML_JOB_ID=job_id, **(extra or {}))
         for var in ("CLUSTER_SPEC", "TF_CONFIG", "TORCHELASTIC_USE_AGENT_STORE"):
             env.pop(var, None)
         lives.append(Life([str(script)], env))
-    procs = run_lives(lives, together=True, timeout=timeout,
-                      preload=("torch", "torch.distributed"))
+    procs = run_lives(lives, together=True, timeout=timeout)
     results: dict[int, dict[str, Any]] = {}
     for rank, proc in zip(chosen, procs):
         lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from jobs import PRELOADED
+from jobs import preloaded
 
 ROOT = Path(__file__).resolve().parents[1]
 STEPS = 150  # the last fault (step 130) lands well before the end
@@ -65,7 +65,7 @@ def start(tmp: Path, name: str, *launcher_args: str, script_args: tuple[str, ...
     computation, so the weights stay comparable) stretches a run that faults must land in;
     ``nice`` lowers the priority of the launcher and its workers (``nice -n``)."""
     env = dict(os.environ, RESILIENT_TRAIN_QUOTA_DIR=str(tmp / "quota"),
-               RESILIENT_TRAIN_FORM_TIMEOUT_S="15", **PRELOADED)
+               RESILIENT_TRAIN_FORM_TIMEOUT_S="15", **preloaded())
     job_dir, log = tmp / name, tmp / f"{name}.log"
     with open(log, "wb") as out:
         proc = subprocess.Popen(

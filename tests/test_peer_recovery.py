@@ -224,7 +224,7 @@ def test_a_state_tree_moves_point_to_point_and_is_read_once_between_real_process
                WORLD_SIZE="3", RESULT_DIR=str(tmp_path), GLOO_SOCKET_IFNAME="lo")
     procs = run_lives([Life([str(HERE / "dist_workers" / "transfer_worker.py")],
                             env | {"RANK": str(r)}) for r in range(3)],
-                      together=True, preload=("torch", "torch.distributed"))
+                      together=True)
     outs = [p.stdout + p.stderr for p in procs]
     assert [p.returncode for p in procs] == [0, 0, 17], outs   # rank 2 died mid-stream
     sys.path.insert(0, str(HERE / "dist_workers"))

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import psutil
 import pytest
+from jobs import preloaded
 
 from resilient_train.launcher.ports import free_port
 
@@ -84,7 +85,8 @@ def test_a_rank_lost_while_the_group_first_connects_does_not_poison_the_next_for
          "--job-dir", str(job_dir), "--timeout", "150s", "--",
          sys.executable, str(HERE / "workers" / "dies_forming.py")],
         env=dict(os.environ, RESILIENT_TRAIN_QUOTA_DIR=str(tmp_path / "quota"),
-                 RESILIENT_TRAIN_FORM_TIMEOUT_S="5", RESILIENT_TRAIN_JOIN_TIMEOUT_S="45"),
+                 RESILIENT_TRAIN_FORM_TIMEOUT_S="5", RESILIENT_TRAIN_JOIN_TIMEOUT_S="45",
+                 **preloaded()),
         capture_output=True, text=True, timeout=240)
     out = proc.stdout + proc.stderr
     job = json.loads((job_dir / "job.json").read_text())

@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+from jobs import preloaded
 from lives import Life, run_lives
 
 from resilient_train.checkpoint.commit.directory import scan
@@ -140,8 +142,8 @@ def test_named_barriers_meet_again_after_an_in_process_recovery(tmp_path: Path) 
     # until the barrier times out and the job is retried.
     env = outside_env()
     env.update(CKPT=str(tmp_path / "ckpt"), OUT=str(tmp_path / "final.pt"), STEPS="60",
-               BARRIER_EVERY="10", STEP_S="0.05",
-               RESILIENT_TRAIN_QUOTA_DIR=str(tmp_path / "quota"))
+               BARRIER_EVERY="10", STEP_S="0.05", SHOW_LIVES="1",
+               RESILIENT_TRAIN_QUOTA_DIR=str(tmp_path / "quota"), **preloaded())
     job_dir = tmp_path / "job"
     proc = subprocess.run(
         [sys.executable, "-m", "resilient_train.cli.main", "launch", "--job-dir", str(job_dir),
@@ -154,6 +156,11 @@ def test_named_barriers_meet_again_after_an_in_process_recovery(tmp_path: Path) 
     assert len(job["attempts"]) == 1, out[-3000:]      # recovered in-process, no job retry
     assert "process group re-formed at generation 1" in out
     assert "BarrierTimeoutError" not in out
+    # The survivor's second life reuses the first one's storage handle, whose writable
+    # probe passed: kept by the life loop (runtime.py), not opened and probed again.
+    primary = re.findall(r"workerpool0-0.*life rank=0 storage=(\d+) probes=(\d+)", out)
+    assert len(primary) == 2, out[-3000:]
+    assert primary[0] == primary[1] and primary[0][1] == "1", primary
 
 
 def test_state_read_before_the_loop_is_restored_by_ctx_restore_or_named_stale(

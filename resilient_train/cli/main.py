@@ -309,6 +309,21 @@ def _parser() -> argparse.ArgumentParser:
                     help="after a process failed: how long the others have between SIGTERM "
                     "and SIGKILL (default 30s)")
     wp.add_argument("command", nargs=argparse.REMAINDER, help="the program and its arguments")
+
+    pp = sub.add_parser(
+        "preload-server", help="import torch once and fork the worker lives of every launch "
+        "that names this server's socket (docs/launcher.md, Preloading)",
+        description="Import MODULES once, then serve every `launch --preload` whose "
+        "environment has RESILIENT_TRAIN_PRELOAD_SERVER=SOCKET: their worker lives are "
+        "forked here instead of each a new interpreter importing them. Runs until stopped, "
+        "or until the process that started it ends.")
+    pp.add_argument("socket", type=Path, help="the Unix socket to listen on")
+    pp.add_argument("--modules", type=_modules, default=("torch", "torch._dynamo"),
+                    help="comma-separated (default torch,torch._dynamo)")
+    pp.add_argument("--replicas", type=int, default=1, metavar="N",
+                    help="the replicas of the launches it serves: their workers' "
+                    "OMP_NUM_THREADS is this machine's cores divided by N, and a launch "
+                    "whose workers' differs starts a server of its own (default 1)")
     return p
 
 
@@ -369,6 +384,8 @@ def _dispatch(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         return _report(args)
     if args.cmd == "spawn":
         return _spawn(args)
+    if args.cmd == "preload-server":
+        return _preload_server(args)
     return _status(args)
 
 
@@ -395,6 +412,37 @@ def _spawn(args: argparse.Namespace) -> int:
     except SpawnError as exc:
         print(f"resilient-train spawn: {exc}", file=sys.stderr)
         return EXIT_USAGE
+
+
+def _preload_server(args: argparse.Namespace) -> int:
+    """Become the fork server (exec: none of this library stays imported in it, so each
+    life imports it afresh), with the start-up environment the launcher gives workers."""
+    import socket
+
+    from ..launcher import forkserver
+    from ..launcher.workerenv import cpu_share
+
+    if args.replicas < 1:
+        print(f"resilient-train preload-server: --replicas {args.replicas}: expected 1 or "
+              "more", file=sys.stderr)
+        return EXIT_USAGE
+    path: Path = args.socket
+    if path.exists():
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
+            try:
+                probe.connect(str(path))
+            except OSError:   # an earlier server's, that ended: nothing listens there
+                path.unlink()
+            else:
+                print(f"resilient-train preload-server: a server already listens at {path}",
+                      file=sys.stderr)
+                return EXIT_USAGE
+    path.parent.mkdir(parents=True, exist_ok=True)
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    env.setdefault("OMP_NUM_THREADS", str(cpu_share(args.replicas)))
+    sys.stdout.flush()
+    os.execve(sys.executable, [sys.executable, forkserver.__file__, "--listen", str(path),
+                               *args.modules], env)
 
 
 def _launch(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:

@@ -30,12 +30,17 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import IO
 
-__all__ = ["PRELOAD_ENV", "PYTHON_PROGRAM", "Forked", "Preloader", "read_at_start"]
+__all__ = ["PRELOAD_ENV", "PRELOAD_SERVER_ENV", "PYTHON_PROGRAM", "Forked", "Preloader",
+           "read_at_start"]
 
 log = logging.getLogger(__name__)
 
 # The modules to preload when `launch` is not given --preload (comma-separated).
 PRELOAD_ENV = "RESILIENT_TRAIN_PRELOAD"
+# A running server's socket (forkserver.py --listen PATH) for launches to share: its lives
+# are forked there when it fits (same interpreter, its modules, the same start-up
+# environment); otherwise a launch starts a server of its own.
+PRELOAD_SERVER_ENV = "RESILIENT_TRAIN_PRELOAD_SERVER"
 _SERVER = Path(__file__).with_name("forkserver.py")
 READY_TIMEOUT_S = 120.0      # the imports, on loaded cores
 # ``python``, ``python3``, ``python3.11``: a program that runs a Python script (the
@@ -56,7 +61,7 @@ def read_at_start(env: Mapping[str, str]) -> dict[str, str]:
 class Forked:
     """A life the server forked, with what the launcher uses of a ``Popen``."""
 
-    def __init__(self, server: Preloader, pid: int, stdout: IO[bytes]) -> None:
+    def __init__(self, server: Preloader, pid: int, stdout: IO[bytes] | None) -> None:
         self._server = server
         self.pid = pid
         self.stdout = stdout
@@ -81,8 +86,14 @@ class Preloader:
     If the server cannot import the modules, or dies, the launcher says so once and
     starts every later life as a new process."""
 
-    def __init__(self, modules: Sequence[str], common_env: Mapping[str, str]) -> None:
+    def __init__(self, modules: Sequence[str], common_env: Mapping[str, str],
+                 shared: str | None = None) -> None:
+        """``shared``: the socket of a running server to use when it fits
+        (:data:`PRELOAD_SERVER_ENV`)."""
         self.modules = tuple(modules)
+        self._shared = shared or None   # a shared server's socket, until it does not fit
+        self._started = False
+        self._first_env: Mapping[str, str] = {}
         # What every life's environment has (the launcher's, and the launch id): a forked
         # life's /proc/PID/environ is the server's, where the watchdog's sweep at the
         # launcher's end, or a person, looks for it.
@@ -109,7 +120,7 @@ class Preloader:
             return False
         if not PYTHON_PROGRAM.fullmatch(os.path.basename(command[0])):
             return False
-        if self._proc is None:
+        if not self._started:
             return True
         return command[0] == self._program and read_at_start(env) == self._at_start
 
@@ -122,7 +133,7 @@ class Preloader:
         with self._lock:
             if not self.can_fork(command, env):
                 return False
-            if self._proc is None and not self._start(command[0], env):
+            if not self._started and not self._start(command[0], env):
                 return False
             if not self._ready:
                 self._next(lambda m: "ready" in m, 0.0)
@@ -145,43 +156,72 @@ class Preloader:
 
     # --- starting ----------------------------------------------------------------------
 
-    def spawn(self, command: Sequence[str], env: Mapping[str, str],
-              cwd: Path | None) -> Forked | None:
+    def spawn(self, command: Sequence[str], env: Mapping[str, str], cwd: Path | None,
+              output: tuple[int, int] | None = None) -> Forked | None:
         """Fork ``command``'s life (after :meth:`can_fork`; waiting for the server unless
         :meth:`warming` did); None when the server cannot (it failed: said once), for the
         caller to start a new process instead. Raises the OSError a ``Popen`` would for a
-        working directory that is not there."""
+        working directory that is not there. Its stdout and stderr: one pipe
+        (``Forked.stdout``), or the two fds of ``output``."""
         with self._lock:
-            if self._proc is None and not self._start(command[0], env):
+            if not self._started and not self._start(command[0], env):
                 return None
             if not self._ready:
                 self._next(lambda m: "ready" in m, READY_TIMEOUT_S)
             if not self._ready:
                 self._fail("the fork server did not start")
                 return None
-            read_fd, write_fd = os.pipe()
+            read_fd, write_fd = os.pipe() if output is None else (-1, -1)
             self._ids += 1
+            # The launcher's priority, as a new process would inherit it (a shared
+            # server's is its own starter's).
             request = {"id": self._ids, "argv": list(command), "env": dict(env),
-                       "cwd": None if cwd is None else str(cwd), "fds": 1}
+                       "cwd": None if cwd is None else str(cwd),
+                       "fds": 1 if output is None else 2,
+                       "nice": os.getpriority(os.PRIO_PROCESS, 0)}
             try:
                 socket.send_fds(self._sock, [(json.dumps(request) + "\n").encode()],
-                                [write_fd])
+                                [write_fd] if output is None else list(output))
                 reply = self._next(lambda m: m.get("id") == request["id"], READY_TIMEOUT_S)
             except OSError as exc:
                 reply = None
                 self._fail(f"the fork server's socket failed: {exc}")
             finally:
-                os.close(write_fd)
+                if output is None:
+                    os.close(write_fd)
             if reply is None or "pid" not in reply:
-                os.close(read_fd)
+                if output is None:
+                    os.close(read_fd)
                 if reply is not None and "errno" in reply:
                     raise OSError(reply["errno"], reply["error"], reply.get("filename"))
                 if reply is None:
                     self._fail("the fork server did not answer")
                 return None
-            return Forked(self, int(reply["pid"]), io.open(read_fd, "rb"))
+            return Forked(self, int(reply["pid"]),
+                          io.open(read_fd, "rb") if output is None else None)
 
     def _start(self, program: str, env: Mapping[str, str]) -> bool:
+        self._started = True
+        self._program, self._first_env = program, dict(env)
+        if self._shared is not None:
+            try:
+                sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+                sock.settimeout(5.0)
+                sock.connect(self._shared)
+                sock.settimeout(None)
+            except OSError as exc:
+                sock.close()
+                log.info("no preload server at %s (%s): starting one for this launch",
+                         self._shared, exc)
+                self._shared = None
+            else:
+                self._sock = sock
+                self._at_start = read_at_start(env)
+                self._started_at = time.monotonic()
+                return True
+        return self._start_own(program, env)
+
+    def _start_own(self, program: str, env: Mapping[str, str]) -> bool:
         ours, theirs = socket.socketpair()
         server_env = {**self._common_env, **read_at_start(env)}
         # A file, not a pipe that nobody reads while the server runs: what it says if it
@@ -205,6 +245,9 @@ class Preloader:
 
     def _hello(self, hello: dict) -> None:
         """The server's first word: ready, or why not."""
+        if self._shared is not None:
+            self._join(hello)
+            return
         if hello["ready"]:
             self._ready = True
             log.info("preloaded %s in %.1f s: worker lives are forked from it",
@@ -212,6 +255,39 @@ class Preloader:
             return
         why = hello.get("error") or self._stderr() or "no reason given"
         self._fail(f"cannot preload {', '.join(self.modules)}: {why}")
+
+    def _join(self, hello: dict) -> None:
+        """A shared server's first word: its lives are forked there if it fits this
+        launch, else this launch starts a server of its own."""
+        why = self.misfit(hello)
+        if why is None:
+            self._ready = True
+            self._at_start = read_at_start(hello["env"])
+            log.info("worker lives are forked from the preload server at %s", self._shared)
+            return
+        log.info("the preload server at %s does not fit this launch (%s): starting one for "
+                 "it", self._shared, why)
+        assert self._sock is not None
+        self._sock.close()
+        self._sock, self._shared, self._buffer = None, None, b""
+        self._start_own(self._program or "", self._first_env)
+
+    def misfit(self, hello: dict) -> str | None:
+        """Why a shared server's lives would not be what this launch's would; None if
+        they would."""
+        if not hello.get("ready"):
+            return f"it could not import its modules: {hello.get('error')}"
+        missing = [m for m in self.modules if m not in hello.get("modules", ())]
+        if missing:
+            return f"it has not imported {', '.join(missing)}"
+        if hello.get("program") != self._program:
+            return f"it runs {hello.get('program')}, not {self._program}"
+        theirs = read_at_start(hello.get("env", {}))
+        if theirs != self._at_start:
+            differ = sorted(k for k in {*theirs, *self._at_start}
+                            if theirs.get(k) != self._at_start.get(k))
+            return f"its start-up environment differs in {', '.join(differ)}"
+        return None
 
     # --- exits -------------------------------------------------------------------------
 
@@ -237,7 +313,10 @@ class Preloader:
                 if "exit" in message:
                     self._exits[int(message["exit"])] = int(message["code"])
                 if "ready" in message:
+                    sock = self._sock
                     self._hello(message)
+                    if self._sock is not sock:   # a server of its own instead: its word next
+                        continue
                 if wanted(message):   # type: ignore[operator]
                     return message
             if self._sock is None:   # gone, or a greeting that said it failed
@@ -247,6 +326,9 @@ class Preloader:
             if not ready:
                 return None
             data = self._sock.recv(65536)
+            if not data and self._shared is not None and not self._ready:
+                self._join({"ready": False, "error": "it closed the connection"})
+                continue
             if not data:
                 stderr = self._stderr()
                 self._fail("the fork server exited" + (f": {stderr}" if stderr else ""))

@@ -64,7 +64,7 @@ from .machines import Machines, Placement
 from .memory import MemoryLimit
 from .messages import STATUS_FAULT_NOT_FIRED, STATUS_INTERNAL
 from .ports import free_port
-from .preload import Preloader
+from .preload import PRELOAD_SERVER_ENV, Preloader
 from .processes import ProcessTrees, Worker, kill_all, missing_program, spawn
 from .quota import Capacity, LocalQuota, Request, default_quota_dir
 from .workerenv import (
@@ -313,7 +313,8 @@ class Launcher:
                                            self.workers)
         preloader = self._preloader = (
             Preloader(self.options.preload,
-                      {**self.options.env, LAUNCH_ID_ENV: self.env.launch_id})
+                      {**self.options.env, LAUNCH_ID_ENV: self.env.launch_id},
+                      shared=self.options.env.get(PRELOAD_SERVER_ENV))
             if self.options.preload else None)
         try:
             self.record.flush(force=True)   # job.json exists from the start (QUEUED)

@@ -3,6 +3,7 @@ to OUT_DIR/REPLICA.rRESTART.json, for tests/test_preload.py.
 
 --die-once: rank 1's first life SIGKILLs itself (the launcher restarts it).
 --bug: raise an uncaught exception (the job fails with its traceback).
+--sleep: after writing what it saw, sleep until killed.
 """
 import sys
 
@@ -13,6 +14,7 @@ import os  # noqa: E402
 import random  # noqa: E402
 import signal  # noqa: E402
 import tempfile  # noqa: E402
+import time  # noqa: E402
 
 import numpy  # noqa: E402
 import torch  # noqa: E402
@@ -29,6 +31,7 @@ def main() -> None:
         "stdin": os.read(0, 1).decode(), "random": random.random(),
         "numpy": float(numpy.random.random()), "torch": float(torch.rand(1)),
         "threads": torch.get_num_threads(), "omp": os.environ.get("OMP_NUM_THREADS"),
+        "pid": os.getpid(), "ppid": os.getppid(),
     }
     with open(os.path.join(out, f"{replica}.r{restart}.json"), "w") as f:
         json.dump(seen, f)
@@ -37,6 +40,8 @@ def main() -> None:
         os.kill(os.getpid(), signal.SIGKILL)
     if "--bug" in flags:
         raise ValueError("a bug in the probe")
+    while "--sleep" in flags:
+        time.sleep(1)
 
 
 main()
