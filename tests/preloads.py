@@ -22,7 +22,7 @@ from collections.abc import Mapping
 
 from resilient_train.launcher import forkserver
 from resilient_train.launcher.preload import read_at_start
-from resilient_train.launcher.workerenv import cpu_share
+from resilient_train.launcher.workerenv import started_as_worker
 
 MODULES = ("torch", "torch._dynamo")
 # The suite's environment as this module is imported: a server's, whichever test starts
@@ -53,9 +53,7 @@ def server_for(env: Mapping[str, str]) -> str:
 def for_launched_workers() -> str:
     """The server for the workers of a 2- or 3-replica launch here (most of the suite's):
     the suite's environment with what the launcher adds at start-up."""
-    env = dict(_SUITE_ENV, PYTHONUNBUFFERED="1")
-    env.setdefault("OMP_NUM_THREADS", str(cpu_share(2)))
-    return server_for(env)
+    return server_for(started_as_worker(_SUITE_ENV, 2))
 
 
 def _stop() -> None:

@@ -420,7 +420,7 @@ def _preload_server(args: argparse.Namespace) -> int:
     import socket
 
     from ..launcher import forkserver
-    from ..launcher.workerenv import cpu_share
+    from ..launcher.workerenv import started_as_worker
 
     if args.replicas < 1:
         print(f"resilient-train preload-server: --replicas {args.replicas}: expected 1 or "
@@ -438,8 +438,7 @@ def _preload_server(args: argparse.Namespace) -> int:
                       file=sys.stderr)
                 return EXIT_USAGE
     path.parent.mkdir(parents=True, exist_ok=True)
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
-    env.setdefault("OMP_NUM_THREADS", str(cpu_share(args.replicas)))
+    env = started_as_worker(os.environ, args.replicas)
     sys.stdout.flush()
     os.execve(sys.executable, [sys.executable, forkserver.__file__, "--listen", str(path),
                                *args.modules], env)

@@ -81,12 +81,11 @@ class _Lines:
 
 
 class _Client:
-    """A launcher connected to the server, and its lives still running."""
+    """A launcher connected to the server."""
 
     def __init__(self, sock: socket.socket) -> None:
         self.sock = sock
         self.lines = _Lines(sock)
-        self.lives: set[int] = set()
 
     def tell(self, message: dict[str, Any]) -> None:
         try:
@@ -94,10 +93,11 @@ class _Client:
         except OSError:   # gone: its end of the socket is read as EOF next
             pass
 
-    def leave(self) -> None:
-        """Its launcher went away: its lives go too, as with a server of its own."""
+    def leave(self, lives: list[int]) -> None:
+        """Its launcher went away: its ``lives`` still running go too, as with a server
+        of its own."""
         self.sock.close()
-        for pid in self.lives:
+        for pid in lives:
             try:
                 os.killpg(pid, signal.SIGKILL)   # each life leads its own session
             except OSError:
@@ -107,9 +107,9 @@ class _Client:
 def _serve(clients: list[_Client], listener: socket.socket | None, hello: dict[str, Any],
            wake_r: int) -> dict[str, Any] | None:
     """Fork a life per request, report each exit to its launcher. In a forked life: its
-    request (with its output fds as ``out_fds``: one, or stdout's and stderr's). In the server: None, once its launcher has
-    gone (without ``--listen``)."""
-    owners: dict[int, _Client] = {}
+    request (with its output fds as ``out_fds``: one, or stdout's and stderr's). In the
+    server: None, once its launcher has gone (without ``--listen``)."""
+    owners: dict[int, _Client] = {}   # each life still running: who asked for it
     while True:
         watched = [wake_r, *(c.sock for c in clients), *([listener] if listener else [])]
         ready, _, _ = select.select(watched, [], [])
@@ -124,7 +124,6 @@ def _serve(clients: list[_Client], listener: socket.socket | None, hello: dict[s
                 break
             owner = owners.pop(pid, None)
             if owner is not None and owner in clients:
-                owner.lives.discard(pid)
                 owner.tell({"exit": pid, "code": os.waitstatus_to_exitcode(status)})
         if listener is not None and listener in ready:
             conn, _ = listener.accept()
@@ -137,7 +136,7 @@ def _serve(clients: list[_Client], listener: socket.socket | None, hello: dict[s
                 requests = None
             if requests is None:
                 clients.remove(client)
-                client.leave()
+                client.leave([pid for pid, owner in owners.items() if owner is client])
                 if listener is None and not clients:
                     return None
                 continue
@@ -147,7 +146,6 @@ def _serve(clients: list[_Client], listener: socket.socket | None, hello: dict[s
                     return {**request, "out_fds": fds}
                 if pid is not None:
                     owners[pid] = client
-                    client.lives.add(pid)
 
 
 def _fork(client: _Client, request: dict[str, Any], fds: list[int]) -> int | None:

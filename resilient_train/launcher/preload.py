@@ -262,7 +262,6 @@ class Preloader:
         why = self.misfit(hello)
         if why is None:
             self._ready = True
-            self._at_start = read_at_start(hello["env"])
             log.info("worker lives are forked from the preload server at %s", self._shared)
             return
         log.info("the preload server at %s does not fit this launch (%s): starting one for "

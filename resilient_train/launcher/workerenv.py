@@ -171,7 +171,6 @@ def worker_env(job: JobEnv, replica: Replica, *, attempt: int, restart: int,
         "RESILIENT_TRAIN_ATTEMPT": str(attempt),
         "RESILIENT_TRAIN_RESTART_COUNT": str(restart),
         "RESILIENT_TRAIN_JOB_DIR": job.job_dir,
-        "PYTHONUNBUFFERED": "1",
     })
     if job.launch_id:
         env[LAUNCH_ID_ENV] = job.launch_id
@@ -207,11 +206,18 @@ def worker_env(job: JobEnv, replica: Replica, *, attempt: int, restart: int,
         # Every replica is on this host: keep gloo's listeners on loopback (they have no
         # authentication) unless the user chose an interface.
         env.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    return started_as_worker(env, job.running or len(job.replicas))
+
+
+def started_as_worker(env: Mapping[str, str], replicas: int) -> dict[str, str]:
+    """``env`` with what the launcher sets, of the variables read at start-up, for each
+    worker of a job of ``replicas`` replicas (a preload server's lives must match it)."""
+    out = dict(env, PYTHONUNBUFFERED="1")
     # On the platform each replica has its VM's cores; here they share this machine's.
     # Without a share each process starts one thread per core, and N replicas thrash
     # (we measured a 2-worker CPU job 6x slower). torchrun sets 1 for the same reason.
-    env.setdefault("OMP_NUM_THREADS", str(cpu_share(job.running or len(job.replicas))))
-    return env
+    out.setdefault("OMP_NUM_THREADS", str(cpu_share(replicas)))
+    return out
 
 
 def cpu_share(replicas: int) -> int:
